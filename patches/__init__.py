@@ -1,0 +1,46 @@
+"""The patch registry: one module per host surface, each a thin wrapt wrapper calling hooks.
+
+======================  =====================================================================
+patch                   module
+======================  =====================================================================
+``allocator``           :mod:`vllm_kvguard.patches.allocator` (transactional allocate_slots,
+                        audit, liveness guard)
+``faults``              :mod:`vllm_kvguard.patches.faults` (test-only fault injection,
+                        enabled by ``KVGUARD_FAULTS``)
+``warmup``              :mod:`vllm_kvguard.patches.warmup`
+``cudagraph``           :mod:`vllm_kvguard.patches.cudagraph`
+======================  =====================================================================
+
+Each module defines ``PATCH`` (a :class:`vllm_kvguard.registry.Patch`) declaring its targets,
+supported vLLM range, the upstream issue it mitigates and when it can be removed.
+"""
+from __future__ import annotations
+
+import importlib
+
+from vllm_kvguard.flags import Flags
+
+_MODULES = ("allocator", "faults", "warmup", "cudagraph")
+
+
+def _load():
+    patches = []
+    for name in _MODULES:
+        patches.append(importlib.import_module(f"vllm_kvguard.patches.{name}").PATCH)
+    return patches
+
+
+ALL_PATCHES = _load()
+BY_NAME = {p.name: p for p in ALL_PATCHES}
+
+
+def select_patches(flags: Flags):
+    """The patches the flags ask for, in registry order."""
+    chosen = []
+    for patch in ALL_PATCHES:
+        if patch.name == "faults":
+            if flags.faults is not None:
+                chosen.append(patch)
+        elif patch.name in flags.patches:
+            chosen.append(patch)
+    return chosen

@@ -1,0 +1,43 @@
+"""Host surface: ``BlockPool.get_new_blocks`` (test-only fault injection).
+
+Targets
+    ``vllm.v1.core.block_pool.BlockPool.get_new_blocks``
+        -> hook ``kvguard_inject_fault`` -> :mod:`vllm_kvguard.fixes.faults`
+Why
+    Allocator faults must happen inside EngineCore, another process; vLLM loads our
+    entry point there, so the plugin itself is the injector. Enabled only by
+    ``KVGUARD_FAULTS`` (works with ``KVGUARD_PATCHES=none`` to show vLLM's own behaviour).
+Upstream
+    none: a rehearsal tool, not a fix.
+Remove when
+    never (test tooling); it is off unless KVGUARD_FAULTS is set.
+"""
+from vllm_kvguard.manager import hook
+from vllm_kvguard.registry import HostCall, Patch, Target, hooked
+
+NAME = "faults"
+
+
+@hooked(NAME)
+def get_new_blocks(call: HostCall):
+    exc = hook().kvguard_inject_fault(pool=call.instance, num_blocks=call.arg(0, "num_blocks"))
+    if exc is not None:
+        raise exc
+    return call()
+
+
+def _setup():
+    from vllm_kvguard import fixes
+
+    fixes.register_fault_injection()
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="test-only allocator fault injection (KVGUARD_FAULTS)",
+    targets=[Target("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", get_new_blocks)],
+    vllm_versions=">=0.27.1,<0.34",
+    upstream=(),
+    remove_when="never: rehearsal tooling, off unless KVGUARD_FAULTS is set",
+    setup=_setup,
+)

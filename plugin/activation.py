@@ -1,0 +1,86 @@
+"""What the entry point does: read flags, apply the chosen patches, log one report line."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+
+from vllm_kvguard import __version__
+from vllm_kvguard.flags import Flags, read_flags
+from vllm_kvguard.log import logger
+
+_lock = threading.Lock()
+_state: dict = {"flags": None, "results": None}
+
+
+def flags() -> Flags:
+    """The flags this process was activated with (read fresh if not activated)."""
+    return _state["flags"] or read_flags()
+
+
+def results() -> dict[str, str] | None:
+    """{patch name: "applied" | "skipped: why"} for this process, or None if inactive."""
+    return _state["results"]
+
+
+def activate(env=None) -> dict[str, str] | None:
+    """Apply the patches the flags select. Idempotent; never raises."""
+    with _lock:
+        if _state["results"] is not None:
+            return _state["results"]
+        fl = read_flags(env)
+        for err in fl.errors:
+            logger.warning("vllm-kvguard: %s", err)
+        if not fl.enabled:
+            return None
+        _state["flags"] = fl
+        from vllm_kvguard.patches import select_patches
+        from vllm_kvguard.versions import vllm_version
+
+        version = vllm_version()
+        res: dict[str, str] = {}
+        for patch in select_patches(fl):
+            res[patch.name] = _apply_one(patch, version, fl.force)
+        _state["results"] = res
+        logger.info("%s", startup_line(version, res))
+        return res
+
+
+def _apply_one(patch, version, force: bool) -> str:
+    if not patch.supports(version) and not force:
+        msg = (f"skipped: vLLM {version} outside {patch.vllm_versions} "
+               f"(KVGUARD_FORCE=1 overrides)")
+        logger.info("vllm-kvguard: patch %r %s", patch.name, msg)
+        return msg
+    try:
+        notes = patch.apply()
+    except LookupError as exc:
+        logger.warning("vllm-kvguard: patch %r skipped: %s", patch.name, exc)
+        return f"skipped: {exc}"
+    except Exception as exc:  # fail open: leave vLLM unpatched for this patch
+        logger.error("vllm-kvguard: patch %r not applied, internal error (%s: %s); "
+                     "vLLM runs without it", patch.name, type(exc).__name__, exc)
+        return f"skipped: internal error {type(exc).__name__}"
+    forced = "" if patch.supports(version) else " (forced outside its range)"
+    return "applied" + forced + (f" [{'; '.join(notes)}]" if notes else "")
+
+
+def startup_line(version, res: dict[str, str]) -> str:
+    applied = [n for n, r in res.items() if r.startswith("applied")]
+    skipped = [f"{n} ({r[len('skipped: '):]})" for n, r in res.items()
+               if not r.startswith("applied")]
+    proc = multiprocessing.current_process().name
+    return (f"vllm-kvguard {__version__} active in {proc} (pid {os.getpid()}), vLLM {version}: "
+            f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}")
+
+
+def deactivate() -> None:
+    """Revert every patch this process applied (tests, uninstrument)."""
+    from vllm_kvguard.patches import ALL_PATCHES
+
+    with _lock:
+        for patch in ALL_PATCHES:
+            patch.revert()
+        _state["flags"] = None
+        _state["results"] = None

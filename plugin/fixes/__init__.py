@@ -1,0 +1,16 @@
+"""The fixes: pluggy hookimpls, one module per concern. Patches register them on apply."""
+from vllm_kvguard.manager import register
+
+
+def register_allocator_fixes() -> None:
+    from vllm_kvguard.fixes import audit, liveness, rollback
+
+    register(rollback, "kvguard.rollback")
+    register(liveness, "kvguard.liveness")
+    register(audit, "kvguard.audit")
+
+
+def register_fault_injection() -> None:
+    from vllm_kvguard.fixes import faults
+
+    register(faults, "kvguard.faults")

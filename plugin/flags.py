@@ -1,0 +1,138 @@
+"""Environment flags. All of them use the ``KVGUARD`` prefix (never ``VLLM_``).
+
+=============================  ==============================================================
+``KVGUARD``                    ``1``/``on``: apply every patch that supports the installed vLLM.
+                               unset, ``0``/``off``: apply nothing (no wrapper anywhere).
+``KVGUARD_PATCHES``            comma list choosing patches by name (default: all of them).
+                               ``none`` applies no fix (useful with ``KVGUARD_FAULTS``).
+``KVGUARD_FORCE``              ``1``: apply patches even outside their declared vLLM range.
+``KVGUARD_AUDIT``              ``1``: verify the block pool's invariants after every step.
+``KVGUARD_FAULTS``             test-only allocator fault injection, e.g. ``every=7`` or
+                               ``rate=0.1,seed=3,after=20``. Loudly logged when on.
+``KVGUARD_LIVENESS_STEPS``     steps without progress before the liveness guard acts (default 64).
+``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape.
+=============================  ==============================================================
+
+Bad values never raise: :func:`read_flags` returns them as ``errors`` (one clear line
+each, naming the flag, the bad value and the valid choices) and the safe reading.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+ON = ("1", "on", "true", "yes")
+OFF = ("", "0", "off", "false", "no")
+
+#: Names a user may put in KVGUARD_PATCHES. ``faults`` is enabled by KVGUARD_FAULTS instead.
+PATCH_NAMES = ("allocator", "warmup", "cudagraph")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """When the injected allocator fault fires: call numbers are counted per process."""
+
+    every: int = 0          # raise on every Nth call (0: use rate)
+    rate: float = 0.0       # or with this probability
+    seed: int = 0
+    after: int = 0          # never during the first N calls
+    limit: int = 0          # at most this many faults (0: no limit)
+
+
+@dataclass(frozen=True)
+class Flags:
+    enabled: bool = False
+    patches: tuple[str, ...] = PATCH_NAMES
+    force: bool = False
+    audit: bool = False
+    faults: FaultSpec | None = None
+    liveness_steps: int = 64
+    cudagraph_complete: bool = False
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _bool(env: Mapping[str, str], name: str, errors: list[str]) -> bool:
+    raw = env.get(name, "")
+    val = raw.strip().lower()
+    if val in ON:
+        return True
+    if val not in OFF:
+        errors.append(f"{name}={raw!r} is not valid; use one of 1, on, 0, off "
+                      f"(unset means off); treating it as off")
+    return False
+
+
+def parse_faults(raw: str) -> FaultSpec:
+    """Parse ``every=N`` / ``rate=P[,seed=S]`` (+ ``after=N``, ``limit=N``); raise ValueError."""
+    valid = ("every", "rate", "seed", "after", "limit")
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        key, sep, val = part.partition("=")
+        key = key.strip()
+        if not sep or key not in valid:
+            raise ValueError(f"KVGUARD_FAULTS: {part!r} is not key=value with a key in "
+                             f"{', '.join(valid)} (example: every=7 or rate=0.1,seed=3)")
+        try:
+            values[key] = float(val) if key == "rate" else int(val)
+        except ValueError:
+            raise ValueError(f"KVGUARD_FAULTS: {key}={val!r} is not a number") from None
+    spec = FaultSpec(**values)
+    if spec.every < 0 or not 0.0 <= spec.rate <= 1.0 or spec.after < 0 or spec.limit < 0:
+        raise ValueError(f"KVGUARD_FAULTS={raw!r}: need every>=0, 0<=rate<=1, after>=0, limit>=0")
+    if not spec.every and not spec.rate:
+        raise ValueError(f"KVGUARD_FAULTS={raw!r} never fires; set every=N or rate=P")
+    return spec
+
+
+def read_flags(env: Mapping[str, str] | None = None) -> Flags:
+    env = os.environ if env is None else env
+    errors: list[str] = []
+    enabled = _bool(env, "KVGUARD", errors)
+    if errors:
+        errors[-1] = errors[-1].replace("treating it as off", "vllm-kvguard stays off")
+
+    patches: tuple[str, ...] = PATCH_NAMES
+    raw = env.get("KVGUARD_PATCHES")
+    if raw is not None:
+        names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+        if names == ["none"]:
+            patches = ()
+        else:
+            bad = [n for n in names if n not in PATCH_NAMES]
+            patches = tuple(n for n in PATCH_NAMES if n in names)
+            if bad or not names:
+                errors.append(
+                    f"KVGUARD_PATCHES={raw!r}: unknown patch name(s) {', '.join(bad) or '(empty)'}; "
+                    f"valid: {', '.join(PATCH_NAMES)}, or none; applying only the valid ones: "
+                    f"{', '.join(patches) or 'none'}")
+
+    faults = None
+    raw = env.get("KVGUARD_FAULTS", "").strip()
+    if raw:
+        try:
+            faults = parse_faults(raw)
+        except ValueError as exc:
+            errors.append(f"{exc}; fault injection stays off")
+
+    liveness = 64
+    raw = env.get("KVGUARD_LIVENESS_STEPS", "").strip()
+    if raw:
+        try:
+            liveness = int(raw)
+            if liveness < 1:
+                raise ValueError
+        except ValueError:
+            errors.append(f"KVGUARD_LIVENESS_STEPS={raw!r} is not a whole number >= 1; using 64")
+            liveness = 64
+
+    return Flags(
+        enabled=enabled,
+        patches=patches,
+        force=_bool(env, "KVGUARD_FORCE", errors),
+        audit=_bool(env, "KVGUARD_AUDIT", errors),
+        faults=faults,
+        liveness_steps=liveness,
+        cudagraph_complete=_bool(env, "KVGUARD_CUDAGRAPH_COMPLETE", errors),
+        errors=tuple(errors),
+    )

@@ -1,0 +1,50 @@
+"""Tiny dummy-weight models embedded in the package (no download): a config.json is all
+vLLM needs with ``load_format="dummy"`` and ``skip_tokenizer_init=True``."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "rope_theta": 10000.0,
+}
+
+# 2 Mamba2 layers, 1 attention, 1 MLP ("M*M-").
+NEMOTRON_H = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 1024,
+    "hidden_size": 128, "hybrid_override_pattern": "M*M-", "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+    "mlp_hidden_act": "relu2", "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 1,
+    "ssm_state_size": 32, "conv_kernel": 4, "expand": 2, "chunk_size": 64,
+    "mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False,
+    "use_bias": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "pad_token_id": 0,
+}
+
+MODELS = {"llama": LLAMA, "nemotron_h": NEMOTRON_H}
+
+
+def write_model(kind: str, directory: str | os.PathLike | None = None) -> str:
+    """Write ``kind``'s config.json into ``directory`` (a new temp dir if None); return it."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown tiny model {kind!r}; valid: {', '.join(MODELS)}")
+    path = Path(directory or tempfile.mkdtemp(prefix=f"kvguard-{kind}-"))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(MODELS[kind], indent=1))
+    return str(path)
+
+
+def engine_kwargs(model_dir: str, **overrides) -> dict:
+    """The ``LLM(...)`` keyword arguments for a tiny dummy-weight engine on CPU."""
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+              seed=0)
+    kw.update(overrides)
+    return kw
