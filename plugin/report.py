@@ -1,0 +1,28 @@
+"""Counters every fix reports into, and the per-process report.
+
+``count("rollback", "ValueError")`` is cheap (a dict update under a lock) and works in
+every process; :func:`snapshot` returns ``{"category": {"reason": n}}``. Exporting them
+(Prometheus, the A/B tool's JSON) reads :func:`snapshot`.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+_lock = threading.Lock()
+_counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+
+def count(category: str, reason: str = "total", n: int = 1) -> None:
+    with _lock:
+        _counters[category][reason] += n
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    with _lock:
+        return {cat: dict(reasons) for cat, reasons in _counters.items()}
+
+
+def reset_counters() -> None:
+    with _lock:
+        _counters.clear()
