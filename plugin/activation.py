@@ -66,13 +66,36 @@ def _apply_one(patch, version, force: bool) -> str:
     return "applied" + forced + (f" [{'; '.join(notes)}]" if notes else "")
 
 
+def wrapped_targets() -> list[str]:
+    """The host targets that carry a vllm-kvguard wrapper in this process right now.
+
+    Checked on the live objects (not our bookkeeping), so tests can ask any process,
+    e.g. workers through ``LLM.collective_rpc``.
+    """
+    import sys
+
+    if "vllm_kvguard.patches" not in sys.modules:     # never activated here: nothing to find
+        return []
+    from vllm_kvguard.patches import ALL_PATCHES
+    from vllm_kvguard.registry import is_wrapped, resolve
+
+    found = []
+    for patch in ALL_PATCHES:
+        for target in patch.targets:
+            resolved = resolve(target.module, target.qualname)
+            if resolved is not None and is_wrapped(resolved[2]):
+                found.append(target.name)
+    return found
+
+
 def startup_line(version, res: dict[str, str]) -> str:
     applied = [n for n, r in res.items() if r.startswith("applied")]
     skipped = [f"{n} ({r[len('skipped: '):]})" for n, r in res.items()
                if not r.startswith("applied")]
     proc = multiprocessing.current_process().name
     return (f"vllm-kvguard {__version__} active in {proc} (pid {os.getpid()}), vLLM {version}: "
-            f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}")
+            f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}; "
+            f"{len(wrapped_targets())} targets wrapped")
 
 
 def deactivate() -> None:

@@ -156,7 +156,7 @@ class Patch:
         """Required targets absent from the installed vLLM (the drift guard)."""
         missing = []
         for t in self.targets:
-            if t.required and _resolve(t.module, t.qualname) is None:
+            if t.required and resolve(t.module, t.qualname) is None:
                 missing.append(t.name)
         return missing
 
@@ -174,7 +174,7 @@ class Patch:
         notes = []
         try:
             for t in self.targets:
-                resolved = _resolve(t.module, t.qualname)
+                resolved = resolve(t.module, t.qualname)
                 if resolved is None:
                     notes.append(f"{t.name} absent (optional part skipped)")
                     continue
@@ -218,7 +218,7 @@ def _import(module: str):
         return None
 
 
-def _resolve(module: str, qualname: str):
+def resolve(module: str, qualname: str):
     """(parent, attribute, original) for ``module:qualname``, or None if absent."""
     mod = _import(module)
     if mod is None:

@@ -1,0 +1,69 @@
+"""Flag parsing: every bad value gives one clear line naming the flag, value and choices."""
+import pytest
+
+from vllm_kvguard.flags import PATCH_NAMES, FaultSpec, parse_faults, read_flags
+
+
+@pytest.mark.parametrize("value", ["1", "on", "ON", "true", "yes"])
+def test_on_values(value):
+    fl = read_flags({"KVGUARD": value})
+    assert fl.enabled and fl.patches == PATCH_NAMES and not fl.errors
+
+
+@pytest.mark.parametrize("env", [{}, {"KVGUARD": ""}, {"KVGUARD": "0"}, {"KVGUARD": "off"}])
+def test_off_values(env):
+    fl = read_flags(env)
+    assert not fl.enabled and not fl.errors
+
+
+def test_bad_master_switch_names_value_and_choices_and_stays_off():
+    fl = read_flags({"KVGUARD": "maybe"})
+    assert not fl.enabled
+    (err,) = fl.errors
+    assert "KVGUARD='maybe'" in err and "1, on, 0, off" in err and "stays off" in err
+
+
+def test_unknown_patch_name_applies_only_valid_ones():
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator,bogus"})
+    assert fl.patches == ("allocator",)
+    (err,) = fl.errors
+    assert "bogus" in err and "allocator, warmup, cudagraph" in err and "only the valid" in err
+
+
+def test_patches_none_selects_nothing_without_error():
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
+    assert fl.patches == () and not fl.errors
+
+
+def test_empty_patch_list_is_an_error():
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": " , "})
+    assert fl.patches == () and "(empty)" in fl.errors[0]
+
+
+@pytest.mark.parametrize("name", ["KVGUARD_FORCE", "KVGUARD_AUDIT", "KVGUARD_CUDAGRAPH_COMPLETE"])
+def test_bad_boolean_flags_name_themselves(name):
+    fl = read_flags({"KVGUARD": "1", name: "perhaps"})
+    assert fl.enabled
+    assert any(e.startswith(f"{name}='perhaps'") for e in fl.errors)
+
+
+def test_faults_parse():
+    assert parse_faults("every=7") == FaultSpec(every=7)
+    assert parse_faults("rate=0.25,seed=3,after=10,limit=2") == FaultSpec(
+        rate=0.25, seed=3, after=10, limit=2)
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ("often", "key=value"), ("every=x", "not a number"), ("rate=2", "0<=rate<=1"),
+    ("seed=1", "never fires"), ("colour=red", "every, rate, seed, after, limit"),
+])
+def test_bad_faults_are_reported_and_off(raw, needle):
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_FAULTS": raw})
+    assert fl.faults is None
+    assert any(needle in e and "KVGUARD_FAULTS" in e for e in fl.errors)
+
+
+def test_liveness_steps():
+    assert read_flags({"KVGUARD_LIVENESS_STEPS": "5"}).liveness_steps == 5
+    fl = read_flags({"KVGUARD_LIVENESS_STEPS": "0"})
+    assert fl.liveness_steps == 64 and "KVGUARD_LIVENESS_STEPS='0'" in fl.errors[0]

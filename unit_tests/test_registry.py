@@ -1,0 +1,206 @@
+"""The patch registry and activation, on real vLLM targets."""
+import logging
+import subprocess
+import sys
+import types
+
+import pytest
+
+from vllm_kvguard import activation, manager
+from vllm_kvguard.hookspecs import hookimpl
+from vllm_kvguard.patches import BY_NAME
+from vllm_kvguard.registry import HostCall, Patch, Target, hooked, is_wrapped
+
+ON = {"KVGUARD": "1"}
+
+
+def _raw(cls, name):
+    return vars(cls)[name]
+
+
+def test_off_wraps_nothing():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    before = _raw(KVCacheManager, "allocate_slots")
+    assert activation.activate({}) is None
+    assert activation.wrapped_targets() == []
+    assert _raw(KVCacheManager, "allocate_slots") is before and not is_wrapped(before)
+
+
+def test_register_with_flag_off_imports_nothing_heavy():
+    code = ("import sys, vllm_kvguard; vllm_kvguard.register(); "
+            "print(sorted(m for m in ('vllm', 'pluggy', 'wrapt', 'torch') if m in sys.modules))")
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_apply_is_idempotent_and_revert_restores_originals():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    orig_alloc = _raw(KVCacheManager, "allocate_slots")
+    orig_sched = _raw(Scheduler, "schedule")
+    first = activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
+    assert first == {"allocator": "applied"}
+    wrapper = _raw(KVCacheManager, "allocate_slots")
+    assert is_wrapped(wrapper) and wrapper.__wrapped__ is orig_alloc
+    # A second activation, and a second apply() of the same patch, change nothing.
+    assert activation.activate({**ON, "KVGUARD_PATCHES": "allocator"}) is first
+    assert BY_NAME["allocator"].apply() == []
+    assert _raw(KVCacheManager, "allocate_slots") is wrapper
+    assert sorted(activation.wrapped_targets()) == [
+        "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+        "vllm.v1.core.sched.scheduler.Scheduler.schedule"]
+    activation.deactivate()
+    assert _raw(KVCacheManager, "allocate_slots") is orig_alloc
+    assert _raw(Scheduler, "schedule") is orig_sched
+    assert activation.wrapped_targets() == []
+
+
+def test_second_copy_of_a_patch_does_not_double_wrap():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
+    wrapper = _raw(KVCacheManager, "allocate_slots")
+    twin = Patch(name="allocator-twin", summary="", vllm_versions=">=0",
+                 targets=list(BY_NAME["allocator"].targets), upstream=(), remove_when="")
+    twin.apply()
+    assert _raw(KVCacheManager, "allocate_slots") is wrapper
+    twin.revert()
+    assert _raw(KVCacheManager, "allocate_slots") is wrapper
+
+
+def test_version_gate_skips_out_of_range_patch_with_one_info_line(monkeypatch, kvguard_log):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setattr(BY_NAME["allocator"], "vllm_versions", "<0.1")
+    res = activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
+    assert res["allocator"].startswith("skipped: vLLM") and "outside <0.1" in res["allocator"]
+    assert not is_wrapped(_raw(KVCacheManager, "allocate_slots"))
+    skip_lines = [m for m in kvguard_log.lines(logging.INFO) if "patch 'allocator'" in m]
+    assert len(skip_lines) == 1 and "KVGUARD_FORCE=1" in skip_lines[0]
+
+
+def test_force_applies_out_of_range_patch(monkeypatch):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setattr(BY_NAME["allocator"], "vllm_versions", "<0.1")
+    res = activation.activate({**ON, "KVGUARD_PATCHES": "allocator", "KVGUARD_FORCE": "1"})
+    assert res["allocator"] == "applied (forced outside its range)"
+    assert is_wrapped(_raw(KVCacheManager, "allocate_slots"))
+
+
+def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
+    activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
+    lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
+    assert len(lines) == 1
+    assert "vLLM 0." in lines[0] and "applied: allocator" in lines[0]
+    assert "2 targets wrapped" in lines[0]
+
+
+def test_register_never_raises(monkeypatch, kvguard_log):
+    import vllm_kvguard
+
+    def boom(env=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(activation, "activate", boom)
+    vllm_kvguard.register()          # must not raise
+    assert any("internal error while activating" in m for m in kvguard_log.lines(logging.ERROR))
+
+
+def test_bad_flags_are_logged_and_plugin_stays_off(kvguard_log):
+    assert activation.activate({"KVGUARD": "maybe"}) is None
+    assert any("KVGUARD='maybe'" in m for m in kvguard_log.lines(logging.WARNING))
+    assert activation.wrapped_targets() == []
+
+
+# ------------------------------------------------------------------------------ fail open
+class _RaisingFaultHook:
+    calls = 0
+
+    @hookimpl(tryfirst=True)
+    def kvguard_inject_fault(self, pool, num_blocks):
+        type(self).calls += 1
+        raise KeyError("bug in a hookimpl")
+
+
+@pytest.fixture
+def block_pool():
+    from vllm.v1.core.block_pool import BlockPool
+
+    return BlockPool(num_gpu_blocks=10, enable_caching=False, hash_block_size=16)
+
+
+def test_exception_in_wrapper_leaves_original_behaviour(block_pool, kvguard_log):
+    res = activation.activate({**ON, "KVGUARD_PATCHES": "none", "KVGUARD_FAULTS": "every=1000"})
+    assert res == {"faults": "applied"}
+    bad = _RaisingFaultHook()
+    manager.register(bad, "test.raising")
+    try:
+        free = block_pool.get_num_free_blocks()
+        blocks = block_pool.get_new_blocks(2)          # our hook raises: vLLM's result anyway
+        assert len(blocks) == 2 and block_pool.get_num_free_blocks() == free - 2
+        blocks += block_pool.get_new_blocks(1)
+        assert block_pool.get_num_free_blocks() == free - 3
+    finally:
+        manager.unregister("test.raising")
+    errors = [m for m in kvguard_log.lines(logging.ERROR) if "internal error in patch" in m]
+    assert len(errors) == 1 and "'faults'" in errors[0] and "KeyError" in errors[0]
+    assert _RaisingFaultHook.calls == 1          # tripped: later calls bypass our code
+
+
+def test_host_errors_propagate_unchanged(block_pool):
+    activation.activate({**ON, "KVGUARD_PATCHES": "none", "KVGUARD_FAULTS": "every=1000"})
+    with pytest.raises(ValueError, match="Cannot get 100 free blocks"):
+        block_pool.get_new_blocks(100)
+
+
+def test_error_after_host_call_returns_host_result_without_rerunning():
+    calls = []
+
+    def host(x):
+        calls.append(x)
+        return x * 2
+
+    @hooked("test-after")
+    def wrapper(call: HostCall):
+        call()
+        raise RuntimeError("post-processing bug")
+
+    assert wrapper(host, None, (21,), {}) == 42
+    assert calls == [21]
+
+
+# ------------------------------------------------------------------------------ also_at
+def test_names_imported_by_value_are_patched_at_every_site(monkeypatch):
+    src = types.ModuleType("kvg_src")
+    exec("def f(x):\n    return x + 1\n", src.__dict__)
+    user = types.ModuleType("kvg_user")
+    user.f = src.f
+    monkeypatch.setitem(sys.modules, "kvg_src", src)
+    monkeypatch.setitem(sys.modules, "kvg_user", user)
+
+    @hooked("test-also-at")
+    def plus_ten(call: HostCall):
+        return call() + 10
+
+    patch = Patch(name="t", summary="", vllm_versions=">=0", upstream=(), remove_when="",
+                  targets=[Target("kvg_src", "f", plus_ten, also_at=("kvg_user",))])
+    original = src.f
+    patch.apply()
+    assert src.f(1) == 12 and user.f(1) == 12 and user.f is src.f
+    patch.revert()
+    assert src.f is original and user.f is original
+
+
+def test_missing_required_target_fails_apply_with_its_name():
+    patch = Patch(name="t", summary="", vllm_versions=">=0", upstream=(), remove_when="",
+                  targets=[Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.no_such",
+                                  lambda w, i, a, k: w(*a, **k))])
+    with pytest.raises(LookupError, match="KVCacheManager.no_such"):
+        patch.apply()
+    assert not patch.applied
