@@ -43,26 +43,77 @@ def kvguard_after_schedule(scheduler, output):
 # --------------------------------------------------------------------------- estimation
 @hookspec(firstresult=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,
-                            max_encoder_len, dcp):
-    """Blocks the allocator reserves for one request of ``num_tokens`` in one KV group."""
+                            num_encoder_tokens, dcp, num_computed_tokens):
+    """Blocks the allocator reserves for one request in the KV group of ``spec``.
+
+    Return a :class:`vllm_kvguard.fixes.estimate.Reserved` ``(table, physical)``: block-table
+    entries (nulls included) and distinct pool blocks held, after ``allocate_slots`` for a
+    request whose high-water mark is ``num_tokens`` (``num_computed_tokens`` processed
+    before the step), or None for a spec you don't model. Ours is ``trylast``, so a
+    third-party impl can answer for custom specs first.
+    """
 
 
 @hookspec(firstresult=True)
 def kvguard_warmup(model_runner, call):
-    """Run the model-runner-V2 warmup (``call()``) best-effort, in-bounds, cleaned up."""
+    """Run the model-runner-V2 kernel warmup (``call()``) in-bounds and best-effort.
+
+    ``call`` is vLLM's ``_warmup_kernels`` (0.32+) or ``warmup_kernels`` (0.27.1) call; an
+    impl may replace ``call.args`` before running it. Return anything (ignored).
+    """
+
+
+@hookspec(firstresult=True)
+def kvguard_dummy_sampler_run(runner, call):
+    """Run model-runner-V1 ``_dummy_sampler_run`` (``call()``) and return its result.
+
+    The profiling fix makes the rejection sampler see k drafts per request (vllm#37521).
+    """
 
 
 @hookspec
 def kvguard_startup_report(vllm_config, kv_cache_config):
-    """Return report lines (list of str) to log once the KV cache is sized."""
+    """Return report lines (list of str) to log once, when the scheduler's KV cache is built."""
 
 
 # --------------------------------------------------------------------------- cudagraph
+# Startup hooks run once per KV-cache (re)initialisation; the runtime dispatch path calls no
+# hook unless a batch the configuration meant to graph falls back (``..._fallback``).
 @hookspec
-def kvguard_cudagraph_dispatched(runner, dispatcher, call, result):
-    """A CUDA-graph dispatch returned ``result``; count and explain eager fallbacks."""
+def kvguard_cudagraph_resolved(compilation_config, mode, kv_cache_config, max_num_reqs,
+                               uniform_decode_query_len, is_profiling):
+    """``CompilationConfig.resolve_cudagraph_mode_and_sizes`` returned ``mode``."""
 
 
 @hookspec
-def kvguard_cudagraph_fallback(runner, reason, num_tokens, detail):
-    """A batch the configuration meant to graph ran eager or PIECEWISE, for ``reason``."""
+def kvguard_cudagraph_before_keys(owner):
+    """A V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager`` (``owner``) is about to turn
+    the capture sizes into graph keys: the capture-completion point."""
+
+
+@hookspec
+def kvguard_cudagraph_keys_built(owner):
+    """``owner``'s graph keys exist (not captured yet): the coverage-audit point."""
+
+
+@hookspec
+def kvguard_cudagraph_captured(runner, owner, profile_only):
+    """``runner.capture_model`` returned: arm runtime accounting (and, for V2, disable
+    further capture) unless ``profile_only``."""
+
+
+@hookspec
+def kvguard_cudagraph_reinit(runner, phase, error):
+    """KV/graph re-initialisation: ``phase`` is ``"suspend"`` (sleep, graph release) or
+    ``"resume"`` (wake-up, recapture); ``error`` is the exception if it failed."""
+
+
+@hookspec
+def kvguard_block_pool_ready(pool):
+    """A scheduler ``BlockPool`` was built: check the null block padding relies on."""
+
+
+@hookspec
+def kvguard_cudagraph_fallback(owner, reason, num_tokens, detail):
+    """A batch the configuration meant to graph ran eager or PIECEWISE, for ``reason``
+    (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``detail`` is a short text."""

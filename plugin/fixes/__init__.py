@@ -14,3 +14,9 @@ def register_fault_injection() -> None:
     from vllm_kvguard.fixes import faults
 
     register(faults, "kvguard.faults")
+
+
+def register_warmup_fixes() -> None:
+    from vllm_kvguard.fixes import estimate
+
+    register(estimate, "kvguard.estimate")

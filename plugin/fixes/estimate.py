@@ -1,0 +1,163 @@
+"""The reserved-block model: what vLLM's scheduler-side allocator holds for one request.
+
+:func:`reserved_blocks` is ONE pure function (no vLLM state, no I/O) answering, for one
+KV-cache group spec: after ``KVCacheManager.allocate_slots`` has run for a request whose
+high-water mark is ``num_tokens`` tokens (computed + scheduled, drafts included) with
+``num_lookahead_tokens`` lookahead slots, how many block-table entries does the request
+have in that group (``table``: ``len(req_to_blocks[req])``, null entries included) and how
+many distinct pool blocks does it hold (``physical``: the non-null entries)?
+
+It mirrors, per spec type, what the managers in ``vllm/v1/core/single_type_kv_cache_manager.py``
+do (0.27.1 .. 0.33):
+
+==========================  ==================================================================
+full attention (MLA, sink)  ``cdiv(min(N + k, max_model_len), B)``, B = block_size x DCP
+sliding window              same table; ``(C - window + 1 - extra) // B`` leading entries nulled
+chunked local               same table; ``(C // chunk) * chunk // B`` leading entries nulled
+Mamba none / all            ``cdiv(min(N + k, max_model_len) + bs * nsb, B)``; ``(C - 1) // B``
+                            leading entries nulled (``C`` = tokens computed before the step)
+Mamba align                 ``cdiv(N, bs) + nsb`` entries, lookahead-free and uncapped;
+                            ``1 + nsb`` physical, ``2 + nsb`` on a step that enters a new block
+cross-attention             ``cdiv(encoder_len, B)``, static
+circular buffer             one ring block
+==========================  ==================================================================
+
+``num_computed_tokens`` (``C``) is what the request had processed before the step
+(0 for a fresh request: then ``physical == table`` except for Mamba align). The null
+block (id 0, never handed out) is accounted at pool level: a pool of ``num_blocks`` has
+``num_blocks - 1`` usable blocks. Unknown spec types return None (callers fall back to
+vLLM's own estimate); third-party hookimpls of ``kvguard_reserved_blocks`` can answer for
+custom specs (ours is ``trylast``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from vllm_kvguard.hookspecs import hookimpl
+
+
+class Reserved(NamedTuple):
+    table: int      # block-table entries, null entries included (len(req_to_blocks[rid]))
+    physical: int   # distinct non-null pool blocks the request holds
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _spec_classes() -> dict[str, type]:
+    """vLLM's spec classes by name (absent ones are missing from the dict)."""
+    global _CLASSES
+    if _CLASSES is None:
+        from vllm.v1 import kv_cache_interface as kci
+
+        names = ("UniformTypeKVCacheSpecs", "HiSparseHotSpec", "HiSparseResidentSpec",
+                 "CircularBufferSpec", "CrossAttentionSpec", "EncoderOnlyAttentionSpec",
+                 "MambaSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec",
+                 "FullAttentionSpec", "AttentionSpec")
+        _CLASSES = {n: getattr(kci, n) for n in names if isinstance(getattr(kci, n, None), type)}
+    return _CLASSES
+
+
+_CLASSES: dict[str, type] | None = None
+
+
+def _is(spec, name: str) -> bool:
+    cls = _spec_classes().get(name)
+    return cls is not None and isinstance(spec, cls)
+
+
+def manager_block_size(spec, dcp: int = 1) -> int:
+    """The allocation granularity of the group's manager: ``block_size`` x DCP where the
+    spec is DCP-sharded (0.32+: ``spec.dcp_sharded``; 0.27.1 shards every spec)."""
+    sharded = getattr(spec, "dcp_sharded", True)
+    return spec.block_size * (dcp if sharded and dcp > 1 else 1)
+
+
+def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
+                    max_model_len: int, num_encoder_tokens: int = 0, dcp: int = 1,
+                    num_computed_tokens: int = 0) -> Reserved | None:
+    """Blocks the allocator reserves for one request in the group of ``spec``.
+
+    ``num_tokens``: the request's high-water mark (computed + scheduled this step, drafts
+    included, at most ``max_model_len``); ``num_lookahead_tokens``: the scheduler's
+    lookahead (``VllmConfig.num_lookahead_tokens``: k for EAGLE/draft models, 0 for
+    ngram); ``num_encoder_tokens``: encoder length (cross-attention); ``dcp``: decode
+    context parallel size; ``num_computed_tokens``: tokens processed before this step.
+    """
+    names = _spec_classes()
+    if "UniformTypeKVCacheSpecs" in names and _is(spec, "UniformTypeKVCacheSpecs"):
+        spec = spec.first_spec
+    if _is(spec, "HiSparseHotSpec") or _is(spec, "HiSparseResidentSpec"):
+        return None
+    if _is(spec, "EncoderOnlyAttentionSpec"):
+        return None
+    if _is(spec, "CircularBufferSpec"):
+        return Reserved(1, 1)
+    if not (_is(spec, "AttentionSpec") or _is(spec, "MambaSpec")):
+        return None
+    bsz = manager_block_size(spec, dcp)
+    if _is(spec, "CrossAttentionSpec"):
+        n = _cdiv(num_encoder_tokens, bsz)
+        return Reserved(n, n)
+    computed = max(0, num_computed_tokens)
+    if _is(spec, "MambaSpec"):
+        nsb = getattr(spec, "num_speculative_blocks", 0)
+        if spec.mamba_cache_mode == "align":
+            # Lookahead-free, uncapped range; interior entries are null, the running
+            # state plus nsb speculative blocks are real, and a step that enters a new
+            # block keeps the previous state block until the next step frees it.
+            table = _cdiv(num_tokens, spec.block_size) + nsb
+            crossed = computed > 0 and _cdiv(num_tokens, spec.block_size) > _cdiv(
+                computed, spec.block_size)
+            physical = 1 + nsb + int(crossed)
+            return Reserved(table, min(table, physical))
+        need = min(num_tokens + num_lookahead_tokens, max_model_len) + spec.block_size * nsb
+        table = _cdiv(need, bsz)
+        skipped = (computed - 1) // bsz if computed > 0 else 0
+        return Reserved(table, table - min(skipped, table))
+    table = _cdiv(min(num_tokens + num_lookahead_tokens, max_model_len), bsz)
+    skipped_tokens = 0
+    if _is(spec, "SlidingWindowSpec"):
+        skipped_tokens = max(0, computed - spec.sliding_window + 1
+                             - getattr(spec, "extra_retained_tokens", 0))
+    elif _is(spec, "ChunkedLocalAttentionSpec"):
+        skipped_tokens = computed // spec.attention_chunk_size * spec.attention_chunk_size
+    # Full attention, MLA, sink and sliding-window-as-full keep every block; R-SWA
+    # (full-attention subclass evicting a middle gap) is an upper bound here.
+    skipped = min(skipped_tokens // bsz, table)
+    return Reserved(table, table - skipped)
+
+
+def request_blocks(specs, num_tokens: int, **kwargs) -> list[Reserved | None]:
+    """:func:`reserved_blocks` for every group spec of a model (same keyword arguments)."""
+    return [reserved_blocks(s, num_tokens, **kwargs) for s in specs]
+
+
+def lookahead_tokens(vllm_config) -> int:
+    """``VllmConfig.num_lookahead_tokens`` (0.32+), or the scheduler's own rule (0.27.1)."""
+    value = getattr(type(vllm_config), "num_lookahead_tokens", None)
+    if value is not None:
+        return int(vllm_config.num_lookahead_tokens)
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None:
+        return 0
+    k = int(getattr(sc, "num_speculative_tokens", 0) or 0)
+
+    def uses(name: str) -> bool:
+        fn = getattr(sc, name, None)
+        return bool(fn()) if callable(fn) else False
+
+    if uses("use_dflash"):
+        return k + 1
+    if uses("use_eagle") or uses("uses_draft_model") or uses("use_dspark"):
+        return k
+    return 0
+
+
+@hookimpl(trylast=True)
+def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,
+                            num_encoder_tokens, dcp, num_computed_tokens):
+    return reserved_blocks(spec, num_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                           max_model_len=max_model_len, num_encoder_tokens=num_encoder_tokens,
+                           dcp=dcp, num_computed_tokens=num_computed_tokens)

@@ -1,0 +1,239 @@
+"""Parity fuzz: the reserved-block model against the installed vLLM's REAL KVCacheManager.
+
+For random shapes (block size, max_model_len, lookahead k, Mamba speculative blocks, DCP,
+prompt, prefill chunking, decode steps of 1..k+1 tokens) a request is driven through
+``KVCacheManager.allocate_slots``; after every call the model's ``table`` must equal
+``len(req_to_blocks[rid])`` and its ``physical`` must equal the non-null blocks the
+request holds (which also equal what left the pool). >= 300 examples per spec type.
+
+The small builders here (spec_*, make_manager, make_request) are version-tolerant: they
+pass only the keyword arguments the installed vLLM accepts, and tests skip with a reason
+where a spec type does not exist.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("vllm")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.v1 import kv_cache_interface as kci  # noqa: E402
+
+from vllm_kvguard.fixes.estimate import Reserved, lookahead_tokens, reserved_blocks  # noqa: E402
+
+EXAMPLES = 300
+
+
+# ------------------------------------------------------------------------------ builders
+def _accepted(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def spec_class(name: str):
+    cls = getattr(kci, name, None)
+    if cls is None:
+        pytest.skip(f"{name} does not exist in this vLLM")
+    return cls
+
+
+def _attn(name: str, block_size: int, **extra):
+    cls = spec_class(name)
+    return cls(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+               **extra)
+
+
+def spec_full(block_size: int):
+    return _attn("FullAttentionSpec", block_size)
+
+
+def spec_swa(block_size: int, window: int):
+    return _attn("SlidingWindowSpec", block_size, sliding_window=window)
+
+
+def spec_chunked(block_size: int, chunk: int):
+    return _attn("ChunkedLocalAttentionSpec", block_size, attention_chunk_size=chunk)
+
+
+def spec_cross(block_size: int):
+    return _attn("CrossAttentionSpec", block_size)
+
+
+def spec_mamba(block_size: int, mode: str = "none", nsb: int = 0):
+    cls = spec_class("MambaSpec")
+    return cls(block_size=block_size, shapes=((4, 8),), dtypes=(torch.bfloat16,),
+               mamba_cache_mode=mode, num_speculative_blocks=nsb)
+
+
+def make_kv_cache_config(specs, num_blocks: int):
+    groups = [kci.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+    return kci.KVCacheConfig(**_accepted(kci.KVCacheConfig, dict(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)))
+
+
+def make_manager(specs, num_blocks: int, max_model_len: int, *, dcp: int = 1,
+                 enable_caching: bool = False):
+    """A real scheduler-side KVCacheManager over ``specs`` (one group each)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    block_size = specs[0].block_size
+    kwargs = dict(kv_cache_config=make_kv_cache_config(specs, num_blocks),
+                  max_model_len=max_model_len, scheduler_block_size=block_size,
+                  hash_block_size=block_size, max_in_flight_tokens=max_model_len,
+                  enable_caching=enable_caching, dcp_world_size=dcp)
+    return KVCacheManager(**_accepted(KVCacheManager.__init__, kwargs))
+
+
+def make_request(rid: str, num_prompt_tokens: int):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(**_accepted(Request.__init__, dict(
+        request_id=rid, prompt_token_ids=list(range(num_prompt_tokens)),
+        sampling_params=SamplingParams(max_tokens=1 << 20), pooling_params=None,
+        eos_token_id=None)))
+
+
+def allocate(manager, request, num_new_tokens: int, *, k: int = 0, encoder: int = 0):
+    kwargs = dict(num_lookahead_tokens=k)
+    if encoder:
+        kwargs["num_encoder_tokens"] = encoder
+    return manager.allocate_slots(request, num_new_tokens, **kwargs)
+
+
+def held(manager, rid: str, group: int = 0) -> Reserved:
+    blocks = manager.coordinator.single_type_managers[group].req_to_blocks.get(rid, [])
+    real = [b.block_id for b in blocks if not b.is_null]
+    assert len(real) == len(set(real)), "a block twice in one request"
+    return Reserved(len(blocks), len(real))
+
+
+def used_blocks(manager) -> int:
+    pool = manager.block_pool
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+# ------------------------------------------------------------------------------ the fuzz
+@st.composite
+def trajectories(draw, *, max_len=96, spec_steps=True, align=False):
+    bs = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    mml = draw(st.integers(2, max_len))
+    k = draw(st.integers(0, 7)) if spec_steps else 0
+    prompt = draw(st.integers(1, mml))
+    chunk = draw(st.integers(1, prompt))
+    if align:  # the scheduler ends non-final align chunks on block boundaries
+        chunk = max(bs, chunk // bs * bs)
+    steps = draw(st.lists(st.integers(1, k + 1), max_size=12))
+    return dict(bs=bs, mml=mml, k=k, prompt=prompt, chunk=chunk, steps=steps)
+
+
+def run_parity(make_spec, t, *, dcp=1, lookahead=True, encoder=0):
+    """Drive one request and compare model and allocator after every allocate_slots."""
+    spec = make_spec(t["bs"])
+    mml, k = t["mml"], (t["k"] if lookahead else 0)
+    manager = make_manager([spec], num_blocks=4 * mml + 64, max_model_len=mml, dcp=dcp)
+    req = make_request("r", t["prompt"])
+    computed = 0
+    chunks = []
+    left = t["prompt"]
+    while left:
+        chunks.append(min(t["chunk"], left))
+        left -= chunks[-1]
+    for q in chunks + t["steps"]:
+        q = min(q, mml - computed)
+        if q <= 0:
+            break
+        out = allocate(manager, req, q, k=k, encoder=encoder)
+        assert out is not None, "pool sized generously: allocation must succeed"
+        want = reserved_blocks(spec, computed + q, num_lookahead_tokens=k, max_model_len=mml,
+                               num_encoder_tokens=encoder, dcp=dcp,
+                               num_computed_tokens=computed)
+        got = held(manager, "r")
+        assert want == got, (f"model {want} != allocator {got} at N={computed + q}, "
+                             f"C={computed}, {t}, dcp={dcp}")
+        assert used_blocks(manager) == got.physical
+        computed += q
+        req.num_computed_tokens = computed
+
+
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+@SETTINGS
+@given(trajectories(), st.sampled_from([1, 2, 4]))
+def test_full_attention(t, dcp):
+    run_parity(spec_full, t, dcp=dcp)
+
+
+@SETTINGS
+@given(trajectories(), st.integers(1, 40))
+def test_sliding_window(t, window):
+    spec_class("SlidingWindowSpec")
+    run_parity(lambda bs: spec_swa(bs, window), t)
+
+
+@SETTINGS
+@given(trajectories(), st.integers(1, 40))
+def test_chunked_local(t, chunk):
+    spec_class("ChunkedLocalAttentionSpec")
+    run_parity(lambda bs: spec_chunked(bs, chunk), t)
+
+
+@SETTINGS
+@given(trajectories(), st.integers(0, 4), st.sampled_from(["none", "all"]))
+def test_mamba_none_and_all(t, nsb, mode):
+    spec_class("MambaSpec")
+    run_parity(lambda bs: spec_mamba(bs, mode, nsb), t)
+
+
+@SETTINGS
+@given(trajectories(align=True), st.integers(0, 4))
+def test_mamba_align(t, nsb):
+    spec_class("MambaSpec")
+    run_parity(lambda bs: spec_mamba(bs, "align", nsb), t)
+
+
+@SETTINGS
+@given(trajectories(), st.integers(1, 64), st.sampled_from([1, 2]))
+def test_cross_attention(t, encoder, dcp):
+    spec_class("CrossAttentionSpec")
+    run_parity(spec_cross, t, encoder=encoder, dcp=dcp)
+
+
+def test_hybrid_pool_is_the_sum_of_groups():
+    """Two groups share one pool: what leaves the pool is the sum of the model's physical."""
+    specs = [spec_full(16), spec_mamba(16, "align", 3)]
+    manager = make_manager(specs, num_blocks=64, max_model_len=256)
+    req = make_request("r", 40)
+    allocate(manager, req, 40, k=3)
+    want = [reserved_blocks(s, 40, num_lookahead_tokens=3, max_model_len=256) for s in specs]
+    assert [held(manager, "r", g) for g in range(2)] == want == [(3, 3), (6, 4)]
+    assert used_blocks(manager) == 7
+
+
+def test_lookahead_capped_by_max_model_len():
+    spec = spec_full(16)
+    assert reserved_blocks(spec, 30, num_lookahead_tokens=7, max_model_len=32) == (2, 2)
+    assert reserved_blocks(spec, 30, num_lookahead_tokens=7, max_model_len=64) == (3, 3)
+
+
+def test_unknown_spec_is_none():
+    assert reserved_blocks(object(), 10, max_model_len=32) is None
+
+
+def test_lookahead_tokens_from_config():
+    from types import SimpleNamespace
+
+    assert lookahead_tokens(SimpleNamespace(speculative_config=None)) == 0
+    eagle = SimpleNamespace(num_speculative_tokens=3, use_eagle=lambda: True)
+    assert lookahead_tokens(SimpleNamespace(speculative_config=eagle)) == 3
+    ngram = SimpleNamespace(num_speculative_tokens=3, use_eagle=lambda: False,
+                            uses_draft_model=lambda: False)
+    assert lookahead_tokens(SimpleNamespace(speculative_config=ngram)) == 0
