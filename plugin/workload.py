@@ -8,23 +8,38 @@ prints one line ``KVGUARD_WORKLOAD_RESULT {json}``. :func:`run_in_subprocess` st
 in a fresh interpreter (vLLM loads our entry point there, so the environment decides
 whether the plugin is on) and returns the parsed result, or a ``hung`` result after its
 timeout. The engine runs in-process inside that interpreter unless ``multiprocess`` is set.
+
+``python -m vllm_kvguard.workload --serve SPEC`` keeps the engine and takes commands on
+stdin, one a line (the A/B tool interleaves the rounds of two such engines):
+
+* after startup it prints ``KVGUARD_WORKLOAD_READY {"ok", "startup_s", "error"}``;
+* ``round N`` runs N generate rounds and prints ``KVGUARD_WORKLOAD_ROUND {"ok", "round_s",
+  "engine_died", "error"}`` (a dead engine runs nothing and answers ``ok: false``);
+* ``finish`` prints ``KVGUARD_WORKLOAD_RESULT`` with the same dict :func:`run` returns, then
+  exits. :class:`WorkloadProcess` is the parent's side of this protocol.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 RESULT_TAG = "KVGUARD_WORKLOAD_RESULT "
+READY_TAG = "KVGUARD_WORKLOAD_READY "
+ROUND_TAG = "KVGUARD_WORKLOAD_ROUND "
 
 DEFAULTS: dict[str, Any] = {
     "model": "llama",          # "llama", "nemotron_h" (embedded) or a model directory
     "engine": {},              # extra LLM(...) keyword arguments
+    "gpu_engine": {},          # extra LLM(...) keyword arguments used only on CUDA-like GPUs
     "num_requests": 8,
     "prompt_len": 48,
     "max_tokens": 32,
@@ -33,6 +48,8 @@ DEFAULTS: dict[str, Any] = {
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
 }
+
+FINISHED = ("length", "stop")
 
 
 def make_prompts(spec: dict) -> list[list[int]]:
@@ -72,49 +89,108 @@ def _pool_state(llm) -> dict:
     return state
 
 
+class Session:
+    """One engine and its workload: :meth:`start`, then :meth:`generate` per round, then
+    :meth:`finish` for the result dict. Never raises; a dead engine stays dead."""
+
+    def __init__(self, spec: dict):
+        self.spec = {**DEFAULTS, **spec}
+        self.out: dict[str, Any] = {"spec": self.spec, "ok": False, "engine_died": False,
+                                    "error": None}
+        self.llm = None
+        self.round_s: list[float] = []
+        self.totals = {"submitted": 0, "completed": 0, "failed": 0, "aborted": 0}
+        self.outputs: list[list[int]] | None = None
+        self.reasons: list[str] | None = None
+        self.consistent = True
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not self.out["engine_died"]
+
+    def start(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.platforms import current_platform
+
+            from vllm_kvguard.tiny_models import MODELS, engine_kwargs, write_model
+
+            self.out["platform"] = current_platform.device_type or "unknown"
+            engine = dict(self.spec["engine"])
+            if current_platform.is_cuda_alike():
+                engine.update(self.spec["gpu_engine"])
+            model = self.spec["model"]
+            model_dir = write_model(model) if model in MODELS else model
+            self.llm = LLM(**engine_kwargs(model_dir, **engine))
+        except Exception as exc:
+            self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
+                            startup_failed=True)
+            return False
+        self.out["startup_s"] = time.perf_counter() - t0
+        self.params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False,
+                                     max_tokens=self.spec["max_tokens"])
+        self.prompts = [{"prompt_token_ids": p} for p in make_prompts(self.spec)]
+        return True
+
+    def generate(self) -> float | None:
+        """One round: all prompts through ``LLM.generate``; its seconds, or None if dead."""
+        if not self.alive:
+            return None
+        self.totals["submitted"] += len(self.prompts)
+        t = time.perf_counter()
+        try:
+            results = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        except Exception as exc:
+            self.out.update(error=f"{type(exc).__name__}: {exc}", engine_died=True)
+            self.totals["failed"] += len(self.prompts)   # generate() returns none of them
+            return None
+        self.round_s.append(time.perf_counter() - t)
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        reasons = [r.outputs[0].finish_reason for r in results]
+        if self.outputs is None:
+            self.outputs, self.reasons = outputs, reasons
+        elif outputs != self.outputs:
+            self.consistent = False
+        done = sum(1 for r in reasons if r in FINISHED)
+        aborted = sum(1 for r in reasons if r == "abort")
+        self.totals["completed"] += done
+        self.totals["aborted"] += aborted
+        self.totals["failed"] += len(reasons) - done - aborted
+        return self.round_s[-1]
+
+    def finish(self) -> dict:
+        out = self.out
+        out.update(round_s=self.round_s, totals=self.totals, outputs_consistent=self.consistent)
+        if self.outputs is not None:
+            reasons = self.reasons
+            done = sum(1 for r in reasons if r in FINISHED)
+            out.update(
+                outputs=self.outputs, finish_reasons=reasons,
+                completed=done, aborted=sum(1 for r in reasons if r == "abort"),
+                failed=len(reasons) - done - sum(1 for r in reasons if r == "abort"),
+                tokens_per_round=sum(len(o) for o in self.outputs),
+            )
+        out["ok"] = self.outputs is not None and not out["engine_died"]
+        if self.llm is not None:
+            try:
+                state = _pool_state(self.llm)
+            except Exception as exc:   # a dead engine may not answer
+                state = {"pool_state_error": f"{type(exc).__name__}: {exc}"}
+            if out["engine_died"]:      # requests died holding blocks: not comparable
+                state = {f"died_{k}": v for k, v in state.items()}
+            out.update(state)
+        return _finish(out)
+
+
 def run(spec: dict) -> dict:
     """Build the engine, run the workload, return the result dict (never raises)."""
-    spec = {**DEFAULTS, **spec}
-    out: dict[str, Any] = {"spec": spec, "ok": False, "engine_died": False, "error": None}
-    t0 = time.perf_counter()
-    try:
-        from vllm import LLM, SamplingParams
-
-        from vllm_kvguard.tiny_models import MODELS, engine_kwargs, write_model
-
-        model = spec["model"]
-        model_dir = write_model(model) if model in MODELS else model
-        llm = LLM(**engine_kwargs(model_dir, **spec["engine"]))
-    except Exception as exc:
-        out.update(error=f"startup failed: {type(exc).__name__}: {exc}", startup_failed=True)
-        return _finish(out)
-    out["startup_s"] = time.perf_counter() - t0
-
-    params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False,
-                            max_tokens=spec["max_tokens"])
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(spec)]
-    round_s: list[float] = []
-    try:
-        for _ in range(spec["rounds"]):
-            t = time.perf_counter()
-            results = llm.generate(prompts, params, use_tqdm=False)
-            round_s.append(time.perf_counter() - t)
-            if len(round_s) == 1:
-                outputs = [list(r.outputs[0].token_ids) for r in results]
-                reasons = [r.outputs[0].finish_reason for r in results]
-    except Exception as exc:
-        out.update(error=f"{type(exc).__name__}: {exc}", engine_died=True, round_s=round_s)
-        return _finish(out)
-
-    done = sum(1 for r in reasons if r in ("length", "stop"))
-    out.update(
-        ok=True, round_s=round_s, outputs=outputs, finish_reasons=reasons,
-        completed=done, aborted=sum(1 for r in reasons if r == "abort"),
-        failed=len(reasons) - done - sum(1 for r in reasons if r == "abort"),
-        tokens_per_round=sum(len(o) for o in outputs),
-    )
-    out.update(_pool_state(llm))
-    return _finish(out)
+    session = Session(spec)
+    if session.start():
+        for _ in range(session.spec["rounds"]):
+            if session.generate() is None:
+                break
+    return session.finish()
 
 
 def _finish(out: dict) -> dict:
@@ -124,20 +200,64 @@ def _finish(out: dict) -> dict:
         out["kvguard"] = {"results": activation.results(), "counters": report.snapshot()}
     except Exception as exc:  # the workload result matters more than our own report
         out["kvguard"] = {"error": repr(exc)}
+    try:
+        from vllm_kvguard.fixes import faults
+
+        sched = faults.schedule()
+        out["faults_injected"] = sched.fired if sched is not None else 0
+    except Exception:
+        pass
     return out
+
+
+def _emit(tag: str, payload: dict) -> None:
+    sys.stdout.flush()
+    sys.stdout.write(tag + json.dumps(payload) + "\n")   # one write: not split by log lines
+    sys.stdout.flush()
+
+
+def serve(spec: dict, commands=None) -> int:
+    """The ``--serve`` loop (see the module docstring); ``commands`` defaults to stdin."""
+    commands = sys.stdin if commands is None else commands
+    session = Session(spec)
+    ok = session.start()
+    _emit(READY_TAG, {"ok": ok, "startup_s": session.out.get("startup_s"),
+                      "error": session.out["error"]})
+    for line in commands:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "round":
+            times = []
+            for _ in range(int(arg or 1)):
+                t = session.generate()
+                if t is None:
+                    break
+                times.append(t)
+            _emit(ROUND_TAG, {"ok": session.alive, "round_s": times,
+                              "engine_died": session.out["engine_died"],
+                              "error": session.out["error"]})
+        elif cmd == "finish":
+            break
+    _emit(RESULT_TAG, session.finish())
+    return 0
+
+
+def child_env(spec: dict, env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment minus every KVGUARD* variable, plus ``env``: only the caller decides
+    whether the plugin is on in the child."""
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    for key in [k for k in full_env if k.startswith("KVGUARD")]:
+        del full_env[key]
+    full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    full_env.update(env or {})
+    return full_env
 
 
 def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
                       timeout: float = 300.0) -> dict:
     """Run :func:`run` in a fresh interpreter with ``env`` added to this environment."""
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for key in [k for k in full_env if k.startswith("KVGUARD")]:
-        del full_env[key]                       # only the caller's env decides A vs B
-    full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
-    full_env.update(env or {})
     cmd = [sys.executable, "-m", "vllm_kvguard.workload", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, start_new_session=True)
+                            env=child_env(spec, env), start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -155,12 +275,125 @@ def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
             "stderr": stderr[-4000:]}
 
 
+class WorkloadProcess:
+    """A ``--serve`` child driven from this process. Every call waits with a timeout; a
+    child that does not answer in time is killed and reported ``hung``, one that exits is
+    reported ``engine_died``. Use as a context manager: leaving it kills the child."""
+
+    def __init__(self, spec: dict, env: dict[str, str] | None = None):
+        self.spec = spec
+        self.hung = False
+        self.error: str | None = None
+        self._lines: queue.Queue = queue.Queue()
+        self._stderr: collections.deque = collections.deque(maxlen=200)
+        cmd = [sys.executable, "-m", "vllm_kvguard.workload", "--serve", json.dumps(spec)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1,
+                                     env=child_env(spec, env), start_new_session=True)
+        for stream, sink in ((self.proc.stdout, self._stdout_line),
+                             (self.proc.stderr, self._stderr.append)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+
+    def _pump(self, stream, sink) -> None:
+        for line in stream:
+            sink(line.rstrip("\n"))
+        if stream is self.proc.stdout:
+            self._lines.put(None)                       # EOF: the child is gone
+
+    def _stdout_line(self, line: str) -> None:
+        for tag in (READY_TAG, ROUND_TAG, RESULT_TAG):
+            if line.startswith(tag):
+                self._lines.put((tag, json.loads(line[len(tag):])))
+                return
+        self._stderr.append(line)                       # vLLM logs to stdout by default
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.hung
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        return "\n".join(self._stderr)[-chars:]
+
+    def _expect(self, tag: str, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                item = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.hung = True
+                self.error = f"no answer within {timeout:.0f} s"
+                self.kill()
+                return None
+            if item is None:
+                self._lines.put(None)                   # later calls see EOF too
+                self.proc.wait()
+                self.error = self.error or f"process exited {self.proc.returncode}"
+                return None
+            if item[0] == tag:
+                return item[1]
+
+    def _send(self, line: str) -> bool:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def ready(self, timeout: float = 600.0) -> dict:
+        """Wait for the engine: ``{"ok", "startup_s", "error"}``."""
+        msg = self._expect(READY_TAG, timeout)
+        return msg if msg is not None else {"ok": False, "error": self.error}
+
+    def rounds(self, n: int, timeout: float = 300.0) -> dict:
+        """Run ``n`` generate rounds: ``{"ok", "round_s", "engine_died", "error"}``."""
+        msg = self._send(f"round {n}") and self._expect(ROUND_TAG, timeout)
+        if msg:
+            return msg
+        return {"ok": False, "round_s": [], "engine_died": not self.hung, "hung": self.hung,
+                "error": self.error}
+
+    def finish(self, timeout: float = 120.0) -> dict:
+        """The full result (as :func:`run` returns it), ``stderr`` tail added; ends the child."""
+        msg = self._send("finish") and self._expect(RESULT_TAG, timeout)
+        if msg:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            result = msg
+        else:
+            result = {"spec": self.spec, "ok": False, "hung": self.hung,
+                      "engine_died": not self.hung, "returncode": self.proc.returncode,
+                      "error": self.error}
+        result["stderr"] = self.stderr_tail()
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "WorkloadProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--serve":
+        return serve(json.loads(argv[1]) if len(argv) > 1 else {})
     spec = json.loads(argv[0]) if argv else {}
     result = run(spec)
-    sys.stdout.flush()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    _emit(RESULT_TAG, result)
     return 0
 
 
