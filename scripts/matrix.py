@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Run the test suites on every pinned vLLM (``pins.txt``) and print the truth table.
+
+    python3 scripts/matrix.py                    # every pin: unit suite + its integration suite
+    python3 scripts/matrix.py --pins 0.27.1,0.33.0
+    python3 scripts/matrix.py --default          # the default pin only
+    python3 scripts/matrix.py --unit-only
+    python3 scripts/matrix.py -- -k allocator    # extra pytest arguments, on every pytest run
+
+Per pin, in order: ensure its cached venv (``scripts/venvs.py``), run ``unit_tests/`` in full,
+run ``integration_tests/`` (all of it on ``suite=full`` pins, ``-m smoke`` on ``suite=smoke``
+ones), then probe what activation does there. Results go to ``--results`` (default
+``build/matrix/``): ``<pin>/unit.xml``, ``<pin>/integration.xml`` (JUnit), ``<pin>/facts.jsonl``
+(facts tests recorded), ``<pin>/probe.json``, ``<pin>/timings.json`` and ``matrix.json``.
+Prints per-pin timings, the truth table, and a closing ``matrix: N passed, N failed, N
+skipped`` line. Exits 0 only if every pin's venv built and every suite passed (a suite that
+selects no test counts as passed and is said so).
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import venvs as pinned  # noqa: E402  (scripts/venvs.py)
+
+
+def _load_truth_table():
+    """plugin/truth_table.py by path: its result readers are stdlib-only (one JUnit reader)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_kvguard_truth_table", Path(__file__).resolve().parent.parent / "plugin" / "truth_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+truth_table = _load_truth_table()
+
+REPO = pinned.REPO
+#: A test without its own @pytest.mark.timeout still cannot eat the CI budget.
+DEFAULT_TEST_TIMEOUT = 600
+NO_TESTS_COLLECTED = 5
+
+
+def _fmt(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def pytest_cmd(python: str, paths: list[str], junit: Path, marker: str | None,
+               extra: list[str]) -> list[str]:
+    cmd = [python, "-m", "pytest", *paths, f"--junitxml={junit}", "-o", "junit_family=xunit2",
+           f"--timeout={DEFAULT_TEST_TIMEOUT}", "-rfEs", "-q", "-p", "no:cacheprovider"]
+    if marker:
+        cmd += ["-m", marker]
+    return cmd + extra
+
+
+def run_suite(name: str, cmd: list[str], env: dict) -> dict:
+    print(f"\n---- {name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
+    secs = round(time.monotonic() - t0, 1)
+    ok = rc in (0, NO_TESTS_COLLECTED)
+    note = "no tests selected" if rc == NO_TESTS_COLLECTED else ("" if ok else f"pytest exit {rc}")
+    return {"ok": ok, "rc": rc, "seconds": secs, "note": note}
+
+
+def run_pin(pin: pinned.Pin, out: Path, args) -> dict:
+    d = out / pin.name
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in ("unit.xml", "integration.xml", "facts.jsonl", "probe.json", "timings.json"):
+        (d / stale).unlink(missing_ok=True)
+    rec: dict = {"pin": pin.name, "requirement": pin.requirement, "ok": True}
+    print(f"\n==== vLLM {pin.name} ({pin.requirement})", flush=True)
+    try:
+        info = pinned.ensure(pin, REPO, rebuild=args.rebuild)
+    except (pinned.InstallError, OSError) as exc:
+        print(f"matrix: venv for {pin.name} failed: {exc}", file=sys.stderr, flush=True)
+        rec.update(ok=False, venv={"ok": False, "error": str(exc)})
+        (d / "timings.json").write_text(json.dumps(rec, indent=1))
+        return rec
+    rec["venv"] = {"ok": True, "built": info["built"], "seconds": info["seconds"],
+                   "steps": info["steps"], "path": info["path"]}
+    print(f"venv {'built' if info['built'] else 'reused'} in {_fmt(info['seconds'])}: "
+          f"{info['path']}", flush=True)
+    env = {**os.environ,
+           "KVGUARD_PIN": pin.name,
+           "KVGUARD_FACTS_FILE": str(d / "facts.jsonl"),
+           "VLLM_CACHE_ROOT": str(d / "vllm-cache"),   # no cache shared across vLLM versions
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    for var in ("KVGUARD", "KVGUARD_PATCHES", "KVGUARD_FORCE", "KVGUARD_FAULTS"):
+        env.pop(var, None)                  # tests choose their own flags
+    py = info["python"]
+
+    rec["unit"] = run_suite(f"{pin.name} unit",
+                            pytest_cmd(py, ["unit_tests"], d / "unit.xml", None, args.pytest),
+                            env)
+    if args.integration != "none":
+        suite = args.integration or pin.suite
+        rec["integration"] = run_suite(
+            f"{pin.name} integration ({suite})",
+            pytest_cmd(py, ["integration_tests"], d / "integration.xml",
+                       "smoke" if suite == "smoke" else None, args.pytest), env)
+        rec["integration"]["suite"] = suite
+    t0 = time.monotonic()
+    probe = subprocess.run([py, "-m", "vllm_kvguard.truth_table", "probe",
+                            "--out", str(d / "probe.json")], cwd=REPO, env=env,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    rec["probe"] = {"ok": probe.returncode == 0, "seconds": round(time.monotonic() - t0, 1)}
+    if probe.returncode != 0:
+        print(f"matrix: probe on {pin.name} failed:\n{probe.stderr[-2000:]}", file=sys.stderr)
+    rec["ok"] = all(rec[k]["ok"] for k in ("unit", "integration", "probe") if k in rec)
+    (d / "timings.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def timing_table(recs: list[dict], total: float) -> str:
+    lines = [f"{'pin':8} {'venv':>16} {'unit':>9} {'integration':>18} {'probe':>7}  result"]
+    for r in recs:
+        v = r.get("venv", {})
+        venv = ("FAILED" if not v.get("ok") else
+                f"{_fmt(v['seconds'])} {'built' if v['built'] else 'reused'}")
+        unit = _fmt(r["unit"]["seconds"]) if "unit" in r else "-"
+        integ = (f"{_fmt(r['integration']['seconds'])} ({r['integration']['suite']})"
+                 if "integration" in r else "-")
+        probe = _fmt(r["probe"]["seconds"]) if "probe" in r else "-"
+        notes = [f"{k}: {r[k]['note']}" for k in ("unit", "integration")
+                 if k in r and r[k].get("note")]
+        result = ("ok" if r["ok"] else "FAILED") + (f" ({'; '.join(notes)})" if notes else "")
+        lines.append(f"{r['pin']:8} {venv:>16} {unit:>9} {integ:>18} {probe:>7}  {result}")
+    lines.append(f"total {_fmt(total)}")
+    return "\n".join(lines)
+
+
+def totals(out: Path, recs: list[dict]) -> dict[str, int]:
+    tot = {"passed": 0, "failed": 0, "skipped": 0}
+    for r in recs:
+        for suite in ("unit", "integration"):
+            if suite not in r:
+                continue
+            t = truth_table.junit_totals(out / r["pin"] / f"{suite}.xml")
+            if t is None:                       # pytest died before writing its report
+                tot["failed"] += 0 if r[suite]["ok"] else 1
+                continue
+            for k in tot:
+                tot[k] += t[k]
+        if not r.get("venv", {}).get("ok"):
+            tot["failed"] += 1                  # a pin whose venv failed is a failure
+    return tot
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sel = ap.add_mutually_exclusive_group()
+    sel.add_argument("--pins", help="comma-separated pin names (default: all of pins.txt)")
+    sel.add_argument("--default", action="store_true", help="only the default pin")
+    ap.add_argument("--unit-only", dest="integration", action="store_const", const="none",
+                    default=None, help="skip the integration suites")
+    ap.add_argument("--integration", dest="integration", choices=("full", "smoke", "none"),
+                    help="override each pin's integration suite")
+    ap.add_argument("--results", type=Path,
+                    default=Path(os.environ.get("KVGUARD_RESULTS_DIR", REPO / "build" / "matrix")),
+                    help="results folder (default: build/matrix, or $KVGUARD_RESULTS_DIR)")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the venvs")
+    args = ap.parse_args(argv)
+    args.pytest = extra
+    try:
+        pins = pinned.read_pins()
+        if args.default:
+            pins = [pinned.find_pin("default", pins)]
+        elif args.pins:
+            pins = [pinned.find_pin(n.strip(), pins) for n in args.pins.split(",") if n.strip()]
+    except pinned.PinError as exc:
+        print(f"matrix: {exc}", file=sys.stderr)
+        return 2
+
+    out = args.results.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    recs = []
+    for pin in pins:
+        recs.append(run_pin(pin, out, args))
+        (out / "matrix.json").write_text(json.dumps(
+            {"pins": [r["pin"] for r in recs], "runs": recs}, indent=1))
+    total = time.monotonic() - t0
+
+    print("\n==== per-pin timings")
+    print(timing_table(recs, total))
+    table_python = next((r["venv"]["path"] + "/bin/python" for r in recs
+                         if r.get("venv", {}).get("ok")), None)
+    if table_python:
+        print("\n==== truth table (python -m vllm_kvguard.truth_table)", flush=True)
+        subprocess.call([table_python, "-m", "vllm_kvguard.truth_table", "--results", str(out)],
+                        cwd=REPO, stdin=subprocess.DEVNULL)
+    ok = all(r["ok"] for r in recs)
+    t = totals(out, recs)
+    print(f"\nmatrix: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped",
+          flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
