@@ -1,0 +1,30 @@
+"""Start a real multiprocess engine (front end + EngineCore + worker) and ask each worker
+which vllm-kvguard wrappers are installed there. Prints ``PROBE {json}``.
+
+Run as a script (vLLM spawns processes); argv[1]: JSON of extra LLM(...) kwargs.
+"""
+import json
+import sys
+
+
+def worker_probe(worker):
+    import multiprocessing
+    import os
+    import sys as _sys
+
+    from vllm_kvguard.activation import wrapped_targets
+
+    return {"pid": os.getpid(), "proc": multiprocessing.current_process().name,
+            "wrapped": wrapped_targets(), "imported": "vllm_kvguard.patches" in _sys.modules}
+
+
+if __name__ == "__main__":
+    from vllm import LLM
+
+    from vllm_kvguard.activation import wrapped_targets
+    from vllm_kvguard.tiny_models import engine_kwargs, write_model
+
+    extra = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    llm = LLM(**engine_kwargs(write_model("llama"), **extra))
+    print("PROBE " + json.dumps({"front_end": wrapped_targets(),
+                                 "workers": llm.collective_rpc(worker_probe)}), flush=True)

@@ -1,0 +1,79 @@
+"""The entry point on a real multiprocess engine: active in every process with KVGUARD=1,
+nothing wrapped anywhere without it, bad flags logged while vLLM keeps running."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_kvguard.workload import run_in_subprocess
+
+PROBE = Path(__file__).parent / "scripts" / "plugin_probe.py"
+ALLOCATOR_TARGETS = {"vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+                     "vllm.v1.core.sched.scheduler.Scheduler.schedule"}
+
+
+def _probe(env_extra: dict, engine: dict | None = None, timeout: float = 240):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env_extra)
+    out = subprocess.run([sys.executable, str(PROBE), json.dumps(engine or {})],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         timeout=timeout)     # vLLM logs to stdout, our early lines to stderr
+    probe = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
+    assert probe, f"engine did not start (rc {out.returncode}):\n{out.stdout[-3000:]}"
+    return json.loads(probe[-1][len("PROBE "):]), out.stdout
+
+
+def _report_lines(log: str) -> dict[str, str]:
+    """{process name: startup report line} from the combined log."""
+    found = {}
+    for line in log.splitlines():
+        m = re.search(r"vllm-kvguard \S+ active in (\S+) \(pid (\d+)\)", line)
+        if m:
+            found[m.group(1)] = line
+    return found
+
+
+@pytest.mark.multiproc
+@pytest.mark.smoke
+@pytest.mark.timeout(300)
+def test_every_process_reports_and_wraps_with_flag_on():
+    probe, log = _probe({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+    lines = _report_lines(log)
+    engine_core = [p for p in lines if p.startswith("EngineCore")]
+    workers = [p for p in lines if "Worker" in p]
+    assert "MainProcess" in lines and engine_core and workers, lines
+    for line in lines.values():
+        assert "applied: allocator" in line and "2 targets wrapped" in line, line
+    assert set(probe["front_end"]) == ALLOCATOR_TARGETS
+    assert probe["workers"] and all(set(w["wrapped"]) == ALLOCATOR_TARGETS
+                                    for w in probe["workers"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_nothing_is_wrapped_in_any_process_with_flag_unset():
+    probe, log = _probe({})
+    assert _report_lines(log) == {}
+    assert probe["front_end"] == []
+    assert probe["workers"] and all(w["wrapped"] == [] and not w["imported"]
+                                    for w in probe["workers"])
+
+
+@pytest.mark.engine
+@pytest.mark.smoke
+@pytest.mark.timeout(240)
+def test_bad_flags_are_named_and_vllm_still_serves():
+    res = run_in_subprocess({"num_requests": 2, "max_tokens": 4},
+                            {"KVGUARD": "maybe", "KVGUARD_PATCHES": "allocator,bogus",
+                             "KVGUARD_FAULTS": "often"}, timeout=200)
+    assert res["ok"] and res["completed"] == 2, res.get("error")
+    assert res["kvguard"]["results"] is None           # stayed off
+    err = res["stderr"]
+    assert "KVGUARD='maybe' is not valid; use one of 1, on, 0, off" in err
+    assert "unknown patch name(s) bogus; valid: allocator, warmup, cudagraph" in err
+    assert "KVGUARD_FAULTS: 'often' is not key=value" in err
