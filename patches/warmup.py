@@ -1,11 +1,127 @@
-"""Host surface: model-runner warmup and profiling (placeholder; see issue 7)."""
-from vllm_kvguard.registry import Patch
+"""Host surface: model-runner warmup, profiling, and the scheduler's KV sizing report.
+
+Targets (each declares its own range below; all optional except the scheduler's)
+    ``vllm.v1.worker.gpu.warmup._warmup_kernels`` (0.32+) and ``.warmup_kernels`` (0.27.1,
+    where the plan lives in ``warmup_kernels`` itself; also re-bound in
+    ``vllm.v1.worker.gpu_worker``) -> hook ``kvguard_warmup`` -> :mod:`vllm_kvguard.fixes.warmup_guard`
+        The V2 warmup reserves what the allocator reserves (0.27.1 ignores lookahead and
+        Mamba speculative blocks outside align mode: vllm#51438), never hands out a block
+        id >= the pool's block count (all versions: the one-request floor), and a failing
+        step is rolled back so startup continues (skip-on-failure).
+        Remove when: vLLM's warmup checks ``next_block_id <= num_blocks`` and cleans up in
+        ``try/finally`` (and 0.27.1 leaves the supported range).
+    ``vllm.v1.worker.gpu.warmup._reserved_block_count`` (0.32+)
+        -> hook ``kvguard_reserved_blocks`` -> :mod:`vllm_kvguard.fixes.estimate`: vLLM's own
+        warmup count follows the same model (used by ``run_mixed_prefill_decode_warmup``).
+        Remove when: the warmup guard above is removed.
+    ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_sampler_run`` (MRV1, all)
+        -> hook ``kvguard_dummy_sampler_run`` -> :mod:`vllm_kvguard.fixes.warmup_guard`:
+        the rejection sampler is profiled with k drafts per request, not 1 (vllm#37521).
+        Remove when: vLLM profiles ``num_speculative_tokens`` drafts (vllm#37521 merged).
+    ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (all)
+        -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.capacity`: one
+        spec-aware table per KV-cache group (blocks per request with and without
+        speculation, true maximum concurrency beside vLLM's figure, Mamba FULL-decode
+        feasibility; vllm#46892 family of Mamba under-counts).
+        Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
+        count speculative blocks, the null block and attention groups.
+Why
+    Estimates that forget speculative decoding pass the check and then overflow the
+    pool (TensorRT-LLM "count spec extra tokens in warmup block estimates"; vllm#51438).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+from vllm_kvguard.log import logger, once
+from vllm_kvguard.manager import hook
+from vllm_kvguard.registry import HostCall, Patch, Target, hooked
+
+NAME = "warmup"
+WARMUP_MODULE = "vllm.v1.worker.gpu.warmup"
+
+
+def _handled(hook_caller, call: HostCall, **kwargs):
+    """Call a firstresult hook that may run ``call``, skip it (non-None result), or
+    decline (None, host call not run: run it here)."""
+    result = hook_caller(call=call, **kwargs)
+    if result is None and not call.started:
+        return call()
+    return call.result if call.done else None
+
+
+@hooked(NAME)
+def inner_warmup_kernels(call: HostCall):
+    """``_warmup_kernels`` (0.32+): the plan and the steps."""
+    return _handled(hook().kvguard_warmup, call, model_runner=call.arg(0, "model_runner"))
+
+
+@hooked(NAME)
+def warmup_kernels(call: HostCall):
+    """``warmup_kernels``: guarded here only where no ``_warmup_kernels`` exists (0.27.1)."""
+    if hasattr(importlib.import_module(WARMUP_MODULE), "_warmup_kernels"):
+        return call()
+    return _handled(hook().kvguard_warmup, call, model_runner=call.arg(0, "model_runner"))
+
+
+@hooked(NAME)
+def reserved_block_count(call: HostCall):
+    spec = call.arg(1, "kvcache_spec")
+    r = hook().kvguard_reserved_blocks(
+        spec=spec, num_tokens=call.arg(0, "num_tokens"),
+        num_lookahead_tokens=call.kwargs.get("num_lookahead_tokens", 0),
+        max_model_len=call.kwargs["max_model_len"],
+        num_encoder_tokens=call.kwargs.get("max_encoder_len", 0), dcp=1,
+        num_computed_tokens=0)
+    return r.table if r is not None else call()
+
+
+@hooked(NAME)
+def dummy_sampler_run(call: HostCall):
+    runner = call.instance if call.instance is not None else call.arg(0, "self")
+    return _handled(hook().kvguard_dummy_sampler_run, call, runner=runner)
+
+
+@hooked(NAME)
+def scheduler_init(call: HostCall):
+    call()
+    sched = call.instance
+    lines = []
+    for part in hook().kvguard_startup_report(vllm_config=sched.vllm_config,
+                                              kv_cache_config=sched.kv_cache_config):
+        lines.extend(part or ())
+    if lines:
+        once(logging.INFO, ("startup-report",), "%s", "\n".join(lines))
+
+
+def _setup():
+    from vllm_kvguard import fixes
+
+    fixes.register_warmup_fixes()
+    module = importlib.import_module(WARMUP_MODULE)
+    if not any(hasattr(module, n) for n in ("_warmup_kernels", "warmup_kernels")):
+        logger.warning("vllm-kvguard: %s has neither _warmup_kernels nor warmup_kernels; "
+                       "the V2 warmup guard is inactive", WARMUP_MODULE)
+
 
 PATCH = Patch(
-    name="warmup",
-    summary="spec-aware warmup block estimate, in-bounds and best-effort warmup",
-    targets=[],
+    name=NAME,
+    summary="spec-aware block estimation: in-bounds, best-effort V2 warmup; k-draft "
+            "sampler profiling; spec-aware startup capacity report",
+    targets=[
+        Target(WARMUP_MODULE, "_warmup_kernels", inner_warmup_kernels, required=False),
+        Target(WARMUP_MODULE, "warmup_kernels", warmup_kernels,
+               also_at=("vllm.v1.worker.gpu_worker",), required=False),
+        Target(WARMUP_MODULE, "_reserved_block_count", reserved_block_count, required=False),
+        Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_sampler_run",
+               dummy_sampler_run, required=False),
+        Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", scheduler_init),
+    ],
     vllm_versions=">=0.27.1,<0.34",
-    upstream=("vllm#51438", "vllm#37521"),
-    remove_when="TBD",
+    upstream=("vllm#51438", "vllm#37521", "vllm#46892"),
+    remove_when="vLLM's V2 warmup bounds its block ids and cleans up on failure, "
+                "MRV1 profiles k drafts (vllm#37521), and the startup concurrency / Mamba "
+                "FULL-decode checks count speculative blocks",
+    setup=_setup,
 )

@@ -17,6 +17,8 @@ def register_fault_injection() -> None:
 
 
 def register_warmup_fixes() -> None:
-    from vllm_kvguard.fixes import estimate
+    from vllm_kvguard.fixes import capacity, estimate, warmup_guard
 
     register(estimate, "kvguard.estimate")
+    register(warmup_guard, "kvguard.warmup_guard")
+    register(capacity, "kvguard.capacity")

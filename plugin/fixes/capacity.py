@@ -1,0 +1,217 @@
+"""Spec-aware KV capacity report, logged once when the scheduler's KV cache is built.
+
+vLLM logs "Maximum concurrency for N tokens per request: X" from ``num_blocks`` (null
+block included) over per-request blocks from each spec's ``max_memory_usage_bytes``, and
+its Mamba FULL-decode check (``max_num_seqs > num_blocks``) ignores the 1+nsb / 2+nsb
+blocks a speculative Mamba sequence holds, the null block and the attention groups
+(vllm-internals.md §B.4, §B.5). This report recomputes, from the reserved-block model
+(:func:`vllm_kvguard.fixes.estimate.reserved_blocks`), per KV-cache group:
+
+* blocks one request holds at its peak on the way to ``max_model_len``, without and with
+  speculative decoding (lookahead, draft tokens per step, Mamba speculative blocks);
+* the true maximum concurrency: usable blocks (``num_blocks - 1``) over that sum, beside
+  vLLM's own figure;
+* on models with Mamba groups: how many decoding sequences fit at once against
+  ``max_num_seqs`` (what FULL decode CUDA graphs are captured for), with a warning naming
+  the numbers and the flag to change when they do not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from vllm_kvguard.fixes.estimate import lookahead_tokens, manager_block_size, reserved_blocks
+from vllm_kvguard.hookspecs import hookimpl
+from vllm_kvguard.log import once
+from vllm_kvguard.report import count
+
+
+@dataclass
+class GroupCapacity:
+    index: int
+    kind: str
+    block_size: int          # the manager's allocation granularity (x DCP where sharded)
+    plain: int               # peak blocks per request at max_model_len, no speculation
+    spec: int                # ... with this engine's speculative decoding
+    decode: int              # blocks one short decoding sequence holds (with speculation)
+    is_mamba: bool = False
+
+
+@dataclass
+class Capacity:
+    groups: list[GroupCapacity]
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    num_spec_tokens: int
+    lookahead: int
+    vllm_concurrency: float | None
+    full_decode_graphs: bool | None
+    per_request_plain: int = 0
+    per_request_spec: int = 0
+    decode_blocks: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - 1               # block 0 is the null block
+
+    @property
+    def true_concurrency(self) -> float:
+        return self.usable / self.per_request_spec if self.per_request_spec else float("inf")
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.is_mamba for g in self.groups)
+
+    @property
+    def decodes_that_fit(self) -> int:
+        return self.usable // self.decode_blocks if self.decode_blocks else self.max_num_seqs
+
+
+def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: int,
+                encoder_len: int = 0, dcp: int = 1) -> int:
+    """The most blocks one request holds in the group on its way to ``max_model_len``:
+    prefill in ``chunk``-token chunks, then decode steps of ``step`` tokens."""
+    mml = max_model_len
+    bsz = manager_block_size(spec, dcp)
+    window = max(int(getattr(spec, "sliding_window", 0) or 0),
+                 int(getattr(spec, "attention_chunk_size", 0) or 0))
+    span = min(mml, window + 4 * bsz + 4 * step + 64)
+    points = {(min(chunk, mml), 0), (mml, max(0, mml - step))}
+    points.update((min(c + step, mml), c) for c in range(max(0, mml - span), mml))
+    points.update((min(c + chunk, mml), c) for c in range(max(0, mml - chunk - bsz - 1), mml))
+    best = 0
+    for n, c in points:
+        r = reserved_blocks(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
+                            num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
+        if r is None:
+            raise LookupError(type(spec).__name__)
+        best = max(best, r.physical)
+    return best
+
+
+def _without_spec_blocks(spec):
+    if getattr(spec, "num_speculative_blocks", 0) and dataclasses.is_dataclass(spec):
+        return dataclasses.replace(spec, num_speculative_blocks=0)
+    return spec
+
+
+def _describe(spec) -> str:
+    name = type(spec).__name__
+    if hasattr(spec, "mamba_cache_mode"):
+        return f"{name}({spec.mamba_cache_mode}, nsb={getattr(spec, 'num_speculative_blocks', 0)})"
+    if getattr(spec, "sliding_window", None):
+        return f"{name}(window={spec.sliding_window})"
+    return name
+
+
+def _vllm_concurrency(vllm_config, kv_cache_config) -> float | None:
+    try:
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        return float(get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config))
+    except Exception:
+        return None
+
+
+def _full_decode_graphs(vllm_config) -> bool | None:
+    try:
+        return bool(vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs())
+    except Exception:
+        return None
+
+
+def compute(vllm_config, kv_cache_config) -> Capacity:
+    mml = int(vllm_config.model_config.max_model_len)
+    sched = vllm_config.scheduler_config
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
+    la = lookahead_tokens(vllm_config)
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    chunk = int(sched.max_num_batched_tokens) if getattr(
+        sched, "enable_chunked_prefill", True) else mml
+    enc = int(getattr(sched, "max_num_encoder_input_tokens", 0) or 0)
+    cap = Capacity(groups=[], num_blocks=int(kv_cache_config.num_blocks), max_model_len=mml,
+                   max_num_seqs=int(sched.max_num_seqs), num_spec_tokens=k, lookahead=la,
+                   vllm_concurrency=_vllm_concurrency(vllm_config, kv_cache_config),
+                   full_decode_graphs=_full_decode_graphs(vllm_config))
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if getattr(group, "host_resident", False):
+            continue
+        spec = group.kv_cache_spec
+        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+            spec = spec.first_spec
+        plain = peak_blocks(_without_spec_blocks(spec), max_model_len=mml, step=1,
+                            chunk=chunk, lookahead=0, encoder_len=enc, dcp=dcp)
+        with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk,
+                                lookahead=la, encoder_len=enc, dcp=dcp)
+        n = min(mml, 2 + k)
+        decode = reserved_blocks(spec, n, num_lookahead_tokens=la, max_model_len=mml,
+                                 num_encoder_tokens=enc, dcp=dcp, num_computed_tokens=1)
+        cap.groups.append(GroupCapacity(i, _describe(spec), manager_block_size(spec, dcp),
+                                        plain, with_spec, decode.physical,
+                                        is_mamba=hasattr(spec, "mamba_cache_mode")))
+    cap.per_request_plain = sum(g.plain for g in cap.groups)
+    cap.per_request_spec = sum(g.spec for g in cap.groups)
+    cap.decode_blocks = sum(g.decode for g in cap.groups)
+    if cap.has_mamba and cap.decodes_that_fit < cap.max_num_seqs:
+        graphs = {True: "FULL decode CUDA graphs are captured for batch sizes that can never "
+                        "run", False: "FULL decode graphs are off",
+                  None: "FULL decode graph mode unknown"}[cap.full_decode_graphs]
+        cap.warnings.append(
+            f"max_num_seqs={cap.max_num_seqs} decodes do not fit: each decoding sequence holds "
+            f"{cap.decode_blocks} blocks ({', '.join(f'group {g.index}: {g.decode}' for g in cap.groups)}"
+            f", Mamba speculative blocks included), so at most {cap.decodes_that_fit} of the "
+            f"{cap.usable} usable blocks' sequences decode at once; {graphs}. Lower "
+            f"--max-num-seqs to {max(1, cap.decodes_that_fit)} or give the KV cache more memory.")
+    if cap.vllm_concurrency is not None and int(cap.vllm_concurrency) > int(cap.true_concurrency):
+        cap.warnings.append(
+            f"vLLM reports maximum concurrency {cap.vllm_concurrency:.2f}x for "
+            f"{mml} tokens per request; with speculative decoding ({k} draft tokens/step, "
+            f"lookahead {la}) and the null block it is {cap.true_concurrency:.2f}x "
+            f"({cap.per_request_spec} blocks per request of {cap.usable} usable).")
+    return cap
+
+
+def format_report(cap: Capacity) -> list[str]:
+    vllm_fig = "n/a" if cap.vllm_concurrency is None else f"{cap.vllm_concurrency:.2f}x"
+    lines = [f"vllm-kvguard KV capacity: num_blocks={cap.num_blocks} (usable {cap.usable}), "
+             f"max_model_len={cap.max_model_len}, draft_tokens={cap.num_spec_tokens}, "
+             f"lookahead={cap.lookahead}"]
+    for g in cap.groups:
+        lines.append(f"  group {g.index} {g.kind} block_size={g.block_size}: blocks/request "
+                     f"at max_model_len plain={g.plain} spec={g.spec}; decode={g.decode}")
+    lines.append(f"  per request: plain={cap.per_request_plain} spec={cap.per_request_spec}; "
+                 f"true max concurrency={cap.true_concurrency:.2f}x "
+                 f"({int(cap.true_concurrency)} requests) vs vLLM {vllm_fig}")
+    if cap.has_mamba:
+        lines.append(f"  Mamba decode: {min(cap.decodes_that_fit, cap.max_num_seqs)} of "
+                     f"max_num_seqs={cap.max_num_seqs} sequences fit "
+                     f"(decode blocks/sequence={cap.decode_blocks}, FULL decode graphs="
+                     f"{cap.full_decode_graphs})")
+    return lines
+
+
+_last: list[Capacity] = []
+
+
+def last_report() -> Capacity | None:
+    """The capacity computed at the last startup in this process (tests, tools)."""
+    return _last[-1] if _last else None
+
+
+@hookimpl
+def kvguard_startup_report(vllm_config, kv_cache_config):
+    try:
+        cap = compute(vllm_config, kv_cache_config)
+    except LookupError as exc:
+        once(logging.INFO, ("capacity-unknown", str(exc)),
+             "vllm-kvguard: no spec-aware capacity report: KV spec %s is not modelled", exc)
+        return None
+    _last[:] = [cap]
+    for w in cap.warnings:
+        count("capacity", "warning")
+        once(logging.WARNING, ("capacity", w), "vllm-kvguard: %s", w)
+    return format_report(cap)

@@ -1,0 +1,319 @@
+"""Model-runner-V2 kernel warmup: spec-aware, in-bounds and best-effort.
+
+vLLM's V2 warmup (``vllm/v1/worker/gpu/warmup.py``) hand-builds ``SchedulerOutput``s with
+dummy requests and block ids it picks itself. Three gaps (vllm-internals.md §A.6, §B.2):
+
+* 0.27.1 counts blocks without lookahead tokens and adds Mamba speculative blocks only
+  in align mode (vllm#51438): a Mamba group with 3 speculative blocks gets 1 block for
+  its prefill request where the allocator reserves 4.
+* every version floors its request cap at one request, so on a tight pool it can hand out
+  block ids >= ``num_blocks`` (align, k=7, max_model_len 32, block 16, 11-block pool: id 11).
+* no cleanup when a step fails: the dummy requests keep their slots, the KV connector
+  stays disabled, block 0 is not re-zeroed, and the exception aborts startup.
+
+What this does, on every version:
+
+1. dry-runs the real warmup with a recording executor to find how many dummy requests
+   fit the pool when every request holds what :func:`~vllm_kvguard.fixes.estimate.reserved_blocks`
+   says the allocator would; lowers ``max_num_seqs`` for the warmup only (a proxy runner)
+   or, if not even one request fits, skips the warmup with one warning;
+2. runs the real warmup with every ``SchedulerOutput`` rewritten on its way to the worker:
+   each dummy request's block ids follow the model (table length per group), fresh
+   distinct ids from 1, never >= ``num_blocks`` (checked before anything is sent);
+3. if a step raises, finishes every dummy request the worker saw (a ``SchedulerOutput``
+   with ``finished_req_ids``), re-enables the KV connector, re-zeroes block 0, logs one
+   warning and lets startup continue (the skip-on-failure contract). If that rollback
+   itself fails, the original error is raised.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks
+from vllm_kvguard.hookspecs import hookimpl
+from vllm_kvguard.log import logger, once
+from vllm_kvguard.registry import KvguardOutcome
+from vllm_kvguard.report import count
+
+
+class NoRoom(KvguardOutcome, RuntimeError):
+    """The warmup plan needs more blocks than the pool has (raised before sending)."""
+
+
+class _Proxy:
+    """Delegates every attribute to ``target`` except the ``overrides``."""
+
+    def __init__(self, target, **overrides):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_target"), name, value)
+
+
+class _NullConnector:
+    def set_disabled(self, disabled):
+        pass
+
+
+@dataclass
+class WarmupPlan:
+    """What the pool and the allocator look like to the warmup."""
+
+    specs: list
+    num_blocks: int
+    lookahead: int
+    max_model_len: int
+    encoder_len: int = 0
+    dcp: int = 1
+
+    @classmethod
+    def of(cls, runner) -> "WarmupPlan":
+        kvc = runner.kv_cache_config
+        vc = runner.vllm_config
+        parallel = getattr(vc, "parallel_config", None)
+        return cls(specs=[g.kv_cache_spec for g in kvc.kv_cache_groups],
+                   num_blocks=int(kvc.num_blocks), lookahead=lookahead_tokens(vc),
+                   max_model_len=int(runner.max_model_len),
+                   encoder_len=int(getattr(getattr(runner, "model_state", None),
+                                           "max_encoder_len", 0) or 0),
+                   dcp=int(getattr(parallel, "decode_context_parallel_size", 1) or 1))
+
+    def tables(self, num_tokens: int, computed: int) -> list[int]:
+        out = []
+        for spec in self.specs:
+            r = reserved_blocks(spec, num_tokens, num_lookahead_tokens=self.lookahead,
+                                max_model_len=self.max_model_len,
+                                num_encoder_tokens=self.encoder_len, dcp=self.dcp,
+                                num_computed_tokens=computed)
+            if r is None:
+                raise NoRoom(f"no block model for KV spec {type(spec).__name__}")
+            out.append(r.table)
+        return out
+
+
+@dataclass
+class BlockRewriter:
+    """Re-assigns the block ids of warmup ``SchedulerOutput``s from the model, in bounds."""
+
+    plan: WarmupPlan
+    next_id: int = 1
+    held: dict = field(default_factory=dict)        # req id -> [tokens, [table per group]]
+    registered: list = field(default_factory=list)  # dummy requests the worker was sent
+    max_id: int = 0
+    num_new_reqs: int = 0
+
+    def _alloc(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if self.next_id + n > self.plan.num_blocks:
+            raise NoRoom(f"warmup needs block id {self.next_id + n - 1} but the pool has "
+                         f"{self.plan.num_blocks} blocks")
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        self.max_id = ids[-1]
+        return ids
+
+    def rewrite(self, so) -> None:
+        scheduled = so.num_scheduled_tokens
+        for nr in so.scheduled_new_reqs:
+            computed = int(getattr(nr, "num_computed_tokens", 0) or 0)
+            n = computed + scheduled.get(nr.req_id, 0)
+            tables = self.plan.tables(n, computed)
+            nr.block_ids = tuple(self._alloc(t) for t in tables)
+            self.held[nr.req_id] = [n, tables]
+            self.num_new_reqs += 1
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(getattr(cached, "req_ids", ()) or ()):
+            if rid not in self.held:
+                continue
+            computed = int(cached.num_computed_tokens[i])
+            state = self.held[rid]
+            n = max(state[0], computed + scheduled.get(rid, 0))
+            tables = self.plan.tables(n, computed)
+            deltas = [max(0, t - h) for t, h in zip(tables, state[1])]
+            cached.new_block_ids[i] = (tuple(self._alloc(d) for d in deltas)
+                                       if any(deltas) else None)
+            state[0], state[1] = n, [max(t, h) for t, h in zip(tables, state[1])]
+
+    def forward(self, execute):
+        """``execute`` with every output rewritten first; tracks what the worker saw."""
+
+        def execute_rewritten(so):
+            self.rewrite(so)
+            for nr in so.scheduled_new_reqs:
+                if nr.req_id not in self.registered:
+                    self.registered.append(nr.req_id)
+            finished = set(getattr(so, "finished_req_ids", ()) or ())
+            result = execute(so)
+            if finished:
+                self.registered = [r for r in self.registered if r not in finished]
+            return result
+
+        return execute_rewritten
+
+
+def _runner_for(runner, max_num_seqs: int | None, dry: bool):
+    overrides = {}
+    if max_num_seqs is not None:
+        overrides["scheduler_config"] = _Proxy(runner.scheduler_config,
+                                               max_num_seqs=max_num_seqs)
+    if dry:
+        overrides.update(kv_connector=_NullConnector(), kv_block_zeroer=None)
+    return _Proxy(runner, **overrides) if overrides else runner
+
+
+def dry_run(fn, runner, plan: WarmupPlan, max_num_seqs: int | None, rest, kwargs):
+    """Run the real warmup against a recording executor; the rewriter, or NoRoom."""
+    rw = BlockRewriter(plan)
+    finished = []
+
+    def record(so):
+        rw.rewrite(so)
+        if getattr(so, "finished_req_ids", None):
+            finished.append(True)
+
+    try:
+        fn(_runner_for(runner, max_num_seqs, dry=True), record, lambda *_a, **_k: None,
+           *rest, **kwargs)
+    except NoRoom:
+        raise
+    except Exception:
+        if not finished:        # device sync after the cleanup step may fail off-GPU
+            raise
+    return rw
+
+
+def choose_cap(fn, runner, plan: WarmupPlan, rest, kwargs) -> tuple[int | None, BlockRewriter | None]:
+    """(max_num_seqs for the warmup or None to keep it, the fitting dry run) or (0, None)."""
+    try:
+        return None, dry_run(fn, runner, plan, None, rest, kwargs)
+    except NoRoom:
+        pass
+    lo, hi, best = 1, int(runner.scheduler_config.max_num_seqs) - 1, (0, None)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            best = (mid, dry_run(fn, runner, plan, mid, rest, kwargs))
+            lo = mid + 1
+        except NoRoom:
+            hi = mid - 1
+    return best
+
+
+def rollback(runner, execute, registered: list[str]) -> None:
+    """Finish the dummy requests, re-enable the connector, re-zero block 0."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if registered:
+        cleanup = SchedulerOutput.make_empty()
+        cleanup.finished_req_ids = set(registered)
+        execute(cleanup)
+    connector = getattr(runner, "kv_connector", None)
+    if connector is not None:
+        connector.set_disabled(False)
+    zeroer = getattr(runner, "kv_block_zeroer", None)
+    if zeroer is not None:
+        zeroer.zero_block_ids([0])
+
+
+@hookimpl
+def kvguard_warmup(model_runner, call):
+    fn = call.wrapped
+    execute, sample = call.arg(1, "worker_execute_model"), call.arg(2, "worker_sample_tokens")
+    rest, kwargs = tuple(call.args[3:]), dict(call.kwargs)
+    for name in ("model_runner", "worker_execute_model", "worker_sample_tokens"):
+        kwargs.pop(name, None)
+    plan = WarmupPlan.of(model_runner)
+    cap, fitted = choose_cap(fn, model_runner, plan, rest, kwargs)
+    if fitted is None:
+        count("warmup", "skipped_no_room")
+        once(logging.WARNING, ("warmup-skip",),
+             "vllm-kvguard: skipping the V2 kernel warmup: not even one warmup request fits "
+             "the %d-block KV pool when it reserves what the allocator would (lookahead %d, "
+             "max_model_len %d); kernels compile on the first real steps instead. A larger "
+             "pool (--num-gpu-blocks-override / --kv-cache-memory-bytes) avoids this.",
+             plan.num_blocks, plan.lookahead, plan.max_model_len)
+        return False
+    if cap is not None:
+        count("warmup", "capped")
+        once(logging.WARNING, ("warmup-cap",),
+             "vllm-kvguard: V2 kernel warmup capped at %d dummy request(s) (max_num_seqs %d) "
+             "so every warmup block id stays below the pool's %d blocks",
+             cap, model_runner.scheduler_config.max_num_seqs, plan.num_blocks)
+    rewriter = BlockRewriter(plan)
+    runner = _runner_for(model_runner, cap, dry=False)
+    call.args = (runner, rewriter.forward(execute), sample) + rest
+    call.kwargs = kwargs
+    try:
+        call()
+    except Exception as exc:
+        try:
+            rollback(model_runner, execute, rewriter.registered)
+        except Exception as cleanup_exc:
+            logger.error("vllm-kvguard: V2 warmup failed (%s: %s) and its rollback failed too "
+                         "(%s: %s); raising the warmup error", type(exc).__name__, exc,
+                         type(cleanup_exc).__name__, cleanup_exc)
+            raise exc from None
+        count("warmup", "rolled_back")
+        once(logging.WARNING, ("warmup-failed",),
+             "vllm-kvguard: V2 kernel warmup step failed (%s: %s); rolled back (dummy "
+             "requests finished, KV connector re-enabled, block 0 re-zeroed), startup "
+             "continues without the rest of the warmup", type(exc).__name__, exc)
+        return False
+    count("warmup", "ok")
+    logger.debug("vllm-kvguard: V2 warmup ran in bounds: %d request(s), highest block id %d "
+                 "of %d", rewriter.num_new_reqs, rewriter.max_id, plan.num_blocks)
+    return True
+
+
+# ------------------------------------------------------------------ MRV1 sampler profiling
+class KDraftRejectionSampler:
+    """Stands in for ``runner.rejection_sampler`` during ``_dummy_sampler_run``: a call
+    profiled with one draft per request is re-shaped to ``k`` drafts per request (the
+    shapes of the real first speculative step), then run by the real sampler."""
+
+    def __init__(self, real, k: int):
+        self.real, self.k = real, k
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, metadata, draft_probs, logits, *args, **kwargs):
+        import torch
+
+        counts = list(getattr(metadata, "num_draft_tokens", ()) or ())
+        if self.k > 1 and counts and all(n == 1 for n in counts):
+            num_reqs, k = len(counts), self.k
+            metadata = type(metadata).make_dummy([[0] * k for _ in range(num_reqs)],
+                                                 logits.device)
+            vocab = logits.shape[-1]
+            if draft_probs is not None:
+                draft_probs = torch.softmax(torch.rand(num_reqs * k, vocab, device=logits.device,
+                                                       dtype=torch.float32), dim=-1)
+            logits = torch.randn(num_reqs * (k + 1), vocab, device=logits.device,
+                                 dtype=logits.dtype)
+        return self.real(metadata, draft_probs, logits, *args, **kwargs)
+
+
+@hookimpl
+def kvguard_dummy_sampler_run(runner, call):
+    spec = getattr(runner, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    real = getattr(runner, "rejection_sampler", None)
+    if k <= 1 or real is None:
+        return None
+    runner.rejection_sampler = KDraftRejectionSampler(real, k)
+    try:
+        call()
+    finally:
+        runner.rejection_sampler = real
+    count("profile", "k_drafts")
+    return True
