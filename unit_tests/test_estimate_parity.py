@@ -13,6 +13,7 @@ where a spec type does not exist.
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 
@@ -82,7 +83,7 @@ def make_manager(specs, num_blocks: int, max_model_len: int, *, dcp: int = 1,
     """A real scheduler-side KVCacheManager over ``specs`` (one group each)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    block_size = specs[0].block_size
+    block_size = math.lcm(*(s.block_size for s in specs))   # the scheduler's granularity
     kwargs = dict(kv_cache_config=make_kv_cache_config(specs, num_blocks),
                   max_model_len=max_model_len, scheduler_block_size=block_size,
                   hash_block_size=block_size, max_in_flight_tokens=max_model_len,

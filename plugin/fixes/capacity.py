@@ -147,12 +147,16 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
                             chunk=chunk, lookahead=0, encoder_len=enc, dcp=dcp)
         with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk,
                                 lookahead=la, encoder_len=enc, dcp=dcp)
-        n = min(mml, 2 + k)
-        decode = reserved_blocks(spec, n, num_lookahead_tokens=la, max_model_len=mml,
-                                 num_encoder_tokens=enc, dcp=dcp, num_computed_tokens=1)
-        cap.groups.append(GroupCapacity(i, _describe(spec), manager_block_size(spec, dcp),
-                                        plain, with_spec, decode.physical,
-                                        is_mamba=hasattr(spec, "mamba_cache_mode")))
+        is_mamba = hasattr(spec, "mamba_cache_mode")
+        bsz = manager_block_size(spec, dcp)
+        # A short decoding sequence: attention at its smallest; Mamba at its worst step
+        # (align holds 2 + nsb on the step that enters a new block).
+        starts = range(1, min(mml, bsz + k + 2)) if is_mamba else (1,)
+        decode = max(reserved_blocks(spec, min(mml, c + 1 + k), num_lookahead_tokens=la,
+                                     max_model_len=mml, num_encoder_tokens=enc, dcp=dcp,
+                                     num_computed_tokens=c).physical for c in starts)
+        cap.groups.append(GroupCapacity(i, _describe(spec), bsz, plain, with_spec, decode,
+                                        is_mamba=is_mamba))
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)

@@ -1,0 +1,129 @@
+"""The spec-aware capacity report against a REAL KVCacheManager: per-request peak blocks
+and the true maximum concurrency are what the allocator actually holds and admits."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_estimate_parity import (allocate, held, make_kv_cache_config, make_manager,  # noqa: E402
+                                  make_request, spec_full, spec_mamba, spec_swa, used_blocks)
+
+from vllm_kvguard.fixes import capacity  # noqa: E402
+
+
+def make_config(*, mml: int, k: int = 0, lookahead: int | None = None, max_num_seqs: int = 256,
+                mode: str = "none", batched: int = 8192, full_graphs: bool | None = None):
+    spec_cfg = None
+    if k:
+        la = k if lookahead is None else lookahead
+        spec_cfg = SimpleNamespace(num_speculative_tokens=k, use_eagle=lambda: la > 0,
+                                   uses_draft_model=lambda: False)
+    mode_obj = None
+    if full_graphs is not None:
+        mode_obj = SimpleNamespace(has_full_cudagraphs=lambda: full_graphs)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=mml),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=batched,
+                                         enable_chunked_prefill=True,
+                                         max_num_encoder_input_tokens=0),
+        cache_config=SimpleNamespace(mamba_cache_mode=mode),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        speculative_config=spec_cfg, max_in_flight_tokens=batched,
+        compilation_config=SimpleNamespace(cudagraph_mode=mode_obj))
+
+
+def drive_to_max_len(manager, rid: str, *, mml: int, prompt: int, step: int, k: int,
+                     groups: int) -> list[int]:
+    """Prefill ``prompt`` then decode ``step`` tokens at a time to ``mml``; peak per group."""
+    req = make_request(rid, prompt)
+    peak = [0] * groups
+    computed, q = 0, prompt
+    while computed < mml:
+        q = min(q, mml - computed)
+        assert allocate(manager, req, q, k=k) is not None
+        peak = [max(p, held(manager, rid, g).physical) for g, p in enumerate(peak)]
+        computed += q
+        req.num_computed_tokens = computed
+        q = step
+    return peak
+
+
+@pytest.mark.parametrize("mode,k,lookahead", [("none", 3, 0), ("none", 2, 2), ("align", 3, 3),
+                                              ("none", 0, 0)])
+def test_per_request_blocks_match_the_allocator(mode, k, lookahead):
+    mml = 128
+    specs = [spec_full(16), spec_mamba(16 if mode == "align" else mml, mode, k)]
+    cfg = make_config(mml=mml, k=k, lookahead=lookahead, mode=mode)
+    kvc = make_kv_cache_config(specs, num_blocks=200)
+    cap = capacity.compute(cfg, kvc)
+    manager = make_manager(specs, 200, mml)
+    peak = drive_to_max_len(manager, "r", mml=mml, prompt=40, step=1 + k, k=lookahead,
+                            groups=2)
+    assert [g.spec for g in cap.groups] == peak
+    assert cap.per_request_spec == sum(peak)
+    if k:
+        assert cap.per_request_spec > cap.per_request_plain
+
+
+def test_true_max_concurrency_is_what_the_allocator_admits():
+    """Fill a real manager with requests at max_model_len: it admits exactly
+    floor(true concurrency); vLLM's own figure (null block, no spec) claims more."""
+    mml, k = 64, 3
+    specs = [spec_full(16), spec_mamba(mml, "none", k)]
+    num_blocks = 33
+    cfg = make_config(mml=mml, k=k, lookahead=0)
+    cap = capacity.compute(cfg, make_kv_cache_config(specs, num_blocks))
+    assert cap.per_request_spec == 4 + (1 + k)
+    manager = make_manager(specs, num_blocks, mml)
+    admitted = 0
+    while True:
+        req = make_request(f"r{admitted}", mml)
+        if allocate(manager, req, mml) is None:
+            break
+        admitted += 1
+    assert admitted == int(cap.true_concurrency) == 32 // 8
+    assert used_blocks(manager) == admitted * cap.per_request_spec
+    assert cap.vllm_concurrency is not None and cap.vllm_concurrency == pytest.approx(33 / 8)
+
+
+def test_sliding_window_peak_is_bounded_by_window():
+    mml = 256
+    spec = spec_swa(16, 32)
+    cfg = make_config(mml=mml, k=2, lookahead=2, batched=64)
+    cap = capacity.compute(cfg, make_kv_cache_config([spec], 100))
+    manager = make_manager([spec], 400, mml)
+    peak = drive_to_max_len(manager, "r", mml=mml, prompt=64, step=3, k=2, groups=1)
+    assert cap.groups[0].spec >= peak[0]
+    assert cap.groups[0].spec < -(-mml // 16)
+
+
+def test_mamba_full_decode_warning_names_the_numbers(kvguard_log):
+    """vllm-internals.md §B.4: 256 sequences, 257 blocks, Mamba align with 3 speculative
+    blocks: vLLM's check passes, but at most 51 decodes fit (Mamba alone: 256 // 5)."""
+    cfg = make_config(mml=4096, k=3, mode="align", max_num_seqs=256, full_graphs=True)
+    kvc = make_kv_cache_config([spec_mamba(16, "align", 3)], 257)
+    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc)
+    cap = capacity.last_report()
+    assert cap.decode_blocks == 5 and cap.decodes_that_fit == 51
+    warnings = kvguard_log.lines(logging.WARNING)
+    assert any("max_num_seqs=256" in w and "at most 51" in w and "--max-num-seqs to 51" in w
+               for w in warnings), warnings
+    assert any("Mamba decode: 51 of max_num_seqs=256" in line for line in lines)
+
+
+def test_report_lines_are_parseable():
+    mml = 128
+    cfg = make_config(mml=mml, k=3, lookahead=0)
+    kvc = make_kv_cache_config([spec_full(16), spec_mamba(mml, "none", 3)], 100)
+    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc)
+    text = "\n".join(lines)
+    assert "group 0 FullAttentionSpec block_size=16: blocks/request at max_model_len " \
+           "plain=8 spec=8" in text
+    assert "group 1 MambaSpec(none, nsb=3) block_size=128: blocks/request at max_model_len " \
+           "plain=1 spec=4" in text
+    assert "per request: plain=9 spec=12; true max concurrency=8.25x (8 requests)" in text
