@@ -1,0 +1,560 @@
+"""``kvguard-ab``: the same workload on the same installed vLLM with the plugin off (A) and
+on (B), in one invocation, each engine in its own process; a side-by-side table on stdout,
+a JSON file and a PNG chart. ``python -m vllm_kvguard.ab --help`` lists the options.
+
+How it measures (see also :mod:`vllm_kvguard.abstats`):
+
+* per scenario, engine A starts, then engine B (one at a time, so neither startup competes
+  with the other); both stay alive, each in its own ``python -m vllm_kvguard.workload
+  --serve`` process, and idle while the other one works;
+* ``--warmup`` unmeasured rounds on each, then ``--repeat`` paired samples; a sample is
+  ``--rounds`` generate rounds of the same deterministic greedy workload on each engine,
+  run one by one in ABBA order (A,B,B,A,...); its throughput = generated tokens of a round
+  / its median round time inside ``LLM.generate``;
+* B/A = median of the per-pair ratios, with min-max; greedy outputs are compared request
+  by request (against a fault-free, plugin-off reference run when A died);
+* exit 1 if any check fails (B not completing every request, leaking blocks, differing
+  greedy outputs, or a throughput ratio below ``--tolerance``), 2 on a bad argument
+  (before any engine starts), 130 on Ctrl-C (after printing what was done).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_kvguard import __version__, abreport, abstats
+from vllm_kvguard.workload import DEFAULTS, WorkloadProcess, run_in_subprocess
+
+NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2}
+EMBEDDED = ("llama", "nemotron_h")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    model: str = "llama"                       # embedded model used without --model
+    engine: dict = field(default_factory=dict)
+    gpu_engine: dict = field(default_factory=dict)
+    workload: dict = field(default_factory=dict)
+    faults: bool = False                       # inject allocator faults on both sides
+    env_b: dict = field(default_factory=dict)  # flags B adds to KVGUARD=1
+
+
+_POOL = {"num_gpu_blocks_override": 64, "block_size": 32}   # CPU attention: block % 32 == 0
+
+SCENARIOS = {sc.name: sc for sc in (
+    Scenario("baseline", "plain load, nothing goes wrong: what the plugin costs",
+             engine=_POOL),
+    Scenario("alloc-faults", "allocator faults injected in EngineCore at a fixed rate "
+             "(A: injector only, B: injector + fixes)", engine=_POOL, faults=True),
+    Scenario("kv-pressure", "a KV pool far smaller than the load: preemption and recompute",
+             engine={"block_size": 32, "max_model_len": 128}),
+    Scenario("hybrid-spec", "NemotronH-style hybrid (Mamba2 + attention) with ngram k=3 "
+             "(prefix caching off: vLLM's CPU limit)", model="nemotron_h",
+             engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3}),
+    Scenario("coverage", "decode shapes (16 seqs x (1+3) tokens) outgrow the captured graph "
+             "sizes; on CPU nothing is captured, the audit counters show what would be",
+             engine={"block_size": 32, "max_num_seqs": 16, "speculative_config": NGRAM_K3},
+             gpu_engine={"enforce_eager": False,
+                         "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}},
+             workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"}),
+)}
+DEFAULT_SCENARIOS = tuple(SCENARIOS)
+
+# CLI engine settings passed through to LLM(...): (flag, LLM keyword, type)
+ENGINE_FLAGS = (
+    ("--max-num-seqs", "max_num_seqs", int),
+    ("--max-model-len", "max_model_len", int),
+    ("--num-gpu-blocks-override", "num_gpu_blocks_override", int),
+    ("--block-size", "block_size", int),
+    ("--dtype", "dtype", str),
+    ("--load-format", "load_format", str),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float),
+    ("--tensor-parallel-size", "tensor_parallel_size", int),
+    ("--seed", "seed", int),
+)
+
+
+class UsageError(Exception):
+    """A bad argument: reported as ``kvguard-ab: error: ...`` and exit status 2."""
+
+
+# ---------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvguard-ab", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A/B benchmark: the same workload with vllm-kvguard off (A) and on (B), "
+                    "side by side, in one invocation.",
+        epilog="Scenarios:\n" + "\n".join(f"  {s.name:13} {s.description}"
+                                          for s in SCENARIOS.values()))
+    p.add_argument("--scenario", action="extend", nargs="+", metavar="NAME",
+                   help=f"scenarios to run, several allowed, or 'all' (default: all: "
+                        f"{', '.join(DEFAULT_SCENARIOS)})")
+    p.add_argument("--model", metavar="PATH",
+                   help="a local model directory (config.json + weights) used by every "
+                        "scenario; default: the embedded dummy-weight models "
+                        f"({', '.join(EMBEDDED)}), no download")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="paired A/B throughput samples per scenario (default 3)")
+    p.add_argument("--rounds", default="auto",
+                   help="generate rounds per sample, or 'auto': enough for --sample-seconds "
+                        "(default auto)")
+    p.add_argument("--sample-seconds", type=float, default=1.0,
+                   help="target duration of one sample with --rounds auto (default 1.0)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unmeasured rounds per engine before sampling (default 2)")
+    p.add_argument("--tolerance", type=float, default=0.97,
+                   help="fail if the median throughput ratio B/A is below this (default 0.97)")
+    p.add_argument("--faults", default="every=7",
+                   help="KVGUARD_FAULTS schedule of alloc-faults (default every=7)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, help="requests per round (scenario default)")
+    g.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
+    g.add_argument("--max-tokens", type=int, help=f"generated tokens per request (default "
+                                                  f"{DEFAULTS['max_tokens']})")
+    e = p.add_argument_group("engine settings (override every scenario's own)")
+    for flag, _, typ in ENGINE_FLAGS:
+        e.add_argument(flag, type=typ)
+    e.add_argument("--speculative-config", metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; null: none')
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None)
+    e.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="any other LLM(...) keyword, value as JSON (repeatable)")
+    e.add_argument("--multiprocess", action="store_true",
+                   help="EngineCore in its own process (vLLM's default; slower to start)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default="kvguard-ab.json", metavar="PATH",
+                   help="JSON report (default kvguard-ab.json)")
+    o.add_argument("--png", default="kvguard-ab.png", metavar="PATH",
+                   help="PNG chart (default kvguard-ab.png); --no-png: none")
+    o.add_argument("--no-png", action="store_true")
+    o.add_argument("--no-microbench", action="store_true",
+                   help="skip the allocator/dispatch micro-benchmarks")
+    o.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds an engine may take to start or to run one sample (default 900)")
+    o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _json_arg(flag: str, raw: str, example: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag}: {raw!r} is not valid JSON ({exc}); expected e.g. {example}")
+
+
+def validate(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every argument (no engine, no vLLM import); return the run settings."""
+    names: list[str] = []
+    for raw in args.scenario or ["all"]:
+        for name in filter(None, (n.strip() for n in raw.split(","))):
+            if name == "all":
+                names += [n for n in DEFAULT_SCENARIOS if n not in names]
+            elif name not in SCENARIOS:
+                raise UsageError(f"--scenario: unknown scenario {name!r}; valid: "
+                                 f"{', '.join(SCENARIOS)}, all")
+            elif name not in names:
+                names.append(name)
+
+    model = args.model
+    if model is not None and model not in EMBEDDED:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            why = "does not exist" if not path.exists() else "has no config.json"
+            raise UsageError(f"--model: {model!r} {why}; give a local model directory "
+                             f"(config.json + weights), or one of the embedded models "
+                             f"{', '.join(EMBEDDED)}, or leave --model out")
+        model = str(path.resolve())
+
+    overrides: dict[str, Any] = {}
+    for flag, key, _ in ENGINE_FLAGS:
+        val = getattr(args, key)
+        if val is not None:
+            overrides[key] = val
+    for key in ("enforce_eager", "enable_prefix_caching"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if args.speculative_config is not None:
+        spec = _json_arg("--speculative-config", args.speculative_config,
+                         '\'{"method": "ngram", "num_speculative_tokens": 3}\' or null')
+        if spec is not None and not (isinstance(spec, dict) and "method" in spec):
+            raise UsageError(f"--speculative-config: {args.speculative_config!r} must be a "
+                             f"JSON object with a \"method\" (e.g. ngram, eagle, eagle3, "
+                             f"mtp, draft_model), or null for no speculative decoding")
+        overrides["speculative_config"] = spec
+    for item in args.engine_arg:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--engine-arg: {item!r} is not KEY=VALUE with KEY an LLM(...) "
+                             f"keyword, e.g. --engine-arg swap_space=0")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw                       # a bare string
+    if model is not None and model not in EMBEDDED and "load_format" not in overrides:
+        overrides["load_format"] = "auto"              # real weights for a real model
+
+    if args.repeat < 1:
+        raise UsageError(f"--repeat: {args.repeat} is not a whole number >= 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup: {args.warmup} is not a whole number >= 0")
+    if args.rounds != "auto":
+        try:
+            rounds = int(args.rounds)
+            if rounds < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--rounds: {args.rounds!r} is not a whole number >= 1 or 'auto'")
+    else:
+        rounds = "auto"
+    if not 0.0 < args.tolerance <= 2.0:
+        raise UsageError(f"--tolerance: {args.tolerance} is not a ratio in (0, 2], "
+                         f"e.g. 0.97 (B may be up to 3% slower than A)")
+    if args.sample_seconds <= 0:
+        raise UsageError(f"--sample-seconds: {args.sample_seconds} is not > 0")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout: {args.timeout} is not > 0")
+    if any(n == "alloc-faults" for n in names):
+        from vllm_kvguard.flags import parse_faults
+
+        try:
+            parse_faults(args.faults)
+        except ValueError as exc:
+            raise UsageError(f"--faults: {exc}")
+    for n, label in ((args.num_requests, "--num-requests"), (args.prompt_len, "--prompt-len"),
+                     (args.max_tokens, "--max-tokens")):
+        if n is not None and n < 1:
+            raise UsageError(f"{label}: {n} is not a whole number >= 1")
+    outputs = [args.json] + ([] if args.no_png else [args.png])
+    for out in outputs:
+        parent = Path(out).expanduser().resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise UsageError(f"{'--json' if out == args.json else '--png'}: cannot write "
+                             f"{out!r} (directory {str(parent)!r} missing or read-only)")
+    workload = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "max_tokens")
+                if getattr(args, k) is not None}
+    return {"scenarios": names, "model": model, "overrides": overrides, "workload": workload,
+            "repeat": args.repeat, "rounds": rounds, "warmup": args.warmup,
+            "sample_seconds": args.sample_seconds, "tolerance": args.tolerance,
+            "faults": args.faults, "multiprocess": args.multiprocess,
+            "timeout": args.timeout}
+
+
+def scenario_spec(sc: Scenario, settings: dict) -> dict:
+    """The workload spec both sides run: scenario defaults, then the user's settings."""
+    ov = settings["overrides"]
+    engine = {**sc.engine, **ov}
+    if sc.name == "kv-pressure" and "num_gpu_blocks_override" not in ov:
+        # room for one max_model_len request plus a little: the load must preempt
+        engine["num_gpu_blocks_override"] = (
+            math.ceil(engine.get("max_model_len", 512) / engine.get("block_size", 32)) + 4)
+    return {"model": settings["model"] or sc.model, "engine": engine,
+            "gpu_engine": {k: v for k, v in sc.gpu_engine.items() if k not in ov},
+            **sc.workload, **settings["workload"], "multiprocess": settings["multiprocess"]}
+
+
+def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
+    if sc.faults:
+        faults = {"KVGUARD": "1", "KVGUARD_FAULTS": settings["faults"]}
+        return ({**faults, "KVGUARD_PATCHES": "none"}, {**faults, **sc.env_b},
+                "faults only", "on + faults")
+    return {}, {"KVGUARD": "1", **sc.env_b}, "off", "on"
+
+
+def workload_key(spec: dict) -> str:
+    """What decides the greedy outputs (not the number of rounds)."""
+    keep = ("model", "engine", "gpu_engine", "num_requests", "prompt_len", "max_tokens",
+            "seed", "repetitive", "multiprocess")
+    full = {**DEFAULTS, **spec}
+    return json.dumps({k: full[k] for k in keep}, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------- progress
+class Progress:
+    """One line per step on stderr (a tqdm bar instead when stderr is a terminal)."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.t0 = time.monotonic()
+        self.quiet = quiet
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, unit="step",
+                                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]")
+            except ImportError:
+                pass
+
+    def say(self, msg: str, advance: int = 0) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.set_description_str(msg[:60])
+            self.bar.update(advance)
+            return
+        el = int(time.monotonic() - self.t0)
+        print(f"[kvguard-ab {el // 60}:{el % 60:02d}] {msg}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def steps_for(settings: dict) -> int:
+    per = 2 * (2 + (1 if settings["warmup"] else 0) + settings["repeat"])
+    return 1 + per * len(settings["scenarios"]) + 2
+
+
+# ---------------------------------------------------------------------------- running
+class Side:
+    """One engine process of a scenario and what it reported."""
+
+    def __init__(self, key: str, label: str, env: dict):
+        self.key, self.label, self.env = key, label, env
+        self.proc: WorkloadProcess | None = None
+        self.ready: dict = {}
+        self.warmup_s: list[float] = []
+        self.pairs: dict[int, list[float] | None] = {}    # sample index -> round times
+        self.died = self.hung = False
+        self.error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.ready.get("ok")) and not self.died and not self.hung
+
+    def run_rounds(self, n: int, timeout: float) -> list[float] | None:
+        if not self.usable:
+            return None
+        res = self.proc.rounds(n, timeout)
+        self.died |= bool(res.get("engine_died"))
+        self.hung |= bool(res.get("hung"))
+        self.error = res.get("error") or self.error
+        times = res.get("round_s") or []
+        return times if res.get("ok") and len(times) == n else None
+
+
+def side_summary(side: Side, final: dict) -> dict:
+    """What the report keeps of one side (the raw result goes in under ``result``)."""
+    tokens = final.get("tokens_per_round")
+    kv = final.get("kvguard") or {}
+    died = bool(final.get("engine_died")) or side.died
+    hung = bool(final.get("hung")) or side.hung
+    ok = final.get("ok") and not died and not hung
+    samples = [side.pairs.get(i) for i in range(len(side.pairs))]
+    return {
+        "label": side.label, "env": side.env,
+        "startup_s": final.get("startup_s", side.ready.get("startup_s")),
+        "startup_failed": not side.ready.get("ok"),
+        "engine_died": died and not hung, "hung": hung,
+        "error": final.get("error") or side.error or side.ready.get("error"),
+        "totals": final.get("totals") or {},
+        "pool_blocks": final.get("pool_blocks"), "held_blocks": final.get("held_blocks"),
+        "died_held_blocks": final.get("died_held_blocks"),
+        "audit_violations": final.get("audit_violations"),
+        "warmup_round_s": side.warmup_s, "sample_round_s": samples,
+        "tok_s": [abstats.throughput(tokens, s) if s and tokens else None for s in samples],
+        "tokens_per_round": tokens,
+        "outputs": final.get("outputs"), "finish_reasons": final.get("finish_reasons"),
+        "outputs_consistent": final.get("outputs_consistent"),
+        "counters": kv.get("counters") or {}, "patches": kv.get("results"),
+        "faults_injected": final.get("faults_injected", 0), "platform": final.get("platform"),
+        "stderr_tail": None if ok else final.get("stderr"),
+    }
+
+
+def _median_s(times: list[float] | None) -> str:
+    return f"{statistics.median(times):.3f} s/round" if times else "no sample"
+
+
+def calibrate(settings: dict, sides: list[Side]) -> int:
+    if settings["rounds"] != "auto":
+        return settings["rounds"]
+    last = [s.warmup_s[-1] for s in sides if s.warmup_s]
+    if not last:
+        return 1
+    return max(1, min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
+
+
+def run_scenario(sc: Scenario, settings: dict, prog: Progress,
+                 references: dict[str, dict]) -> dict:
+    spec = scenario_spec(sc, settings)
+    env_a, env_b, label_a, label_b = scenario_envs(sc, settings)
+    sides = [Side("A", label_a, env_a), Side("B", label_b, env_b)]
+    timeout = settings["timeout"]
+    with contextlib.ExitStack() as stack:
+        for side in sides:
+            prog.say(f"{sc.name}: starting engine {side.key} (plugin {side.label})")
+            side.proc = stack.enter_context(WorkloadProcess(spec, side.env))
+            side.ready = side.proc.ready(timeout)
+            prog.say(f"{sc.name}: engine {side.key} "
+                     + (f"up in {side.ready['startup_s']:.1f} s" if side.ready.get("ok")
+                        else f"failed to start: {side.ready.get('error')}"), advance=1)
+        if settings["warmup"] or settings["rounds"] == "auto":
+            for side in sides:
+                side.warmup_s = side.run_rounds(max(1, settings["warmup"]), timeout) or []
+                prog.say(f"{sc.name}: {side.key} warm-up " + (
+                    f"{sum(side.warmup_s):.2f} s" if side.warmup_s
+                    else f"FAILED ({side.error})"), advance=1)
+        rounds = calibrate(settings, sides)
+        for i in range(settings["repeat"]):
+            for side in sides:
+                side.pairs[i] = []
+            for j in range(rounds):                 # ABBA at round granularity
+                for side in (sides if (i + j) % 2 == 0 else sides[::-1]):
+                    times = side.run_rounds(1, timeout)
+                    if times is None or side.pairs[i] is None:
+                        side.pairs[i] = None
+                    else:
+                        side.pairs[i] += times
+            prog.say(f"{sc.name}: sample {i + 1}/{settings['repeat']} ({rounds} rounds each): "
+                     + ", ".join(f"{s.key} {_median_s(s.pairs[i])}" for s in sides),
+                     advance=2)
+        finals = {s.key: s.proc.finish(timeout) for s in sides}
+        prog.say(f"{sc.name}: engines stopped", advance=2)
+    summary = {s.key: side_summary(s, finals[s.key]) for s in sides}
+    a, b = summary["A"], summary["B"]
+
+    key = workload_key(spec)
+    if not env_a and abstats.completed_all(a) and a.get("outputs") is not None:
+        references.setdefault(key, {"outputs": a["outputs"], "finish_reasons":
+                                    a["finish_reasons"], "source": f"{sc.name} A"})
+    reference = None
+    if a.get("outputs") is None and b.get("outputs") is not None:
+        reference = references.get(key)
+        if reference is None:
+            prog.say(f"{sc.name}: A finished nothing; reference run (plugin off, no faults)")
+            ref = run_in_subprocess({**spec, "rounds": 1}, {}, timeout)
+            reference = {"outputs": ref.get("outputs"),
+                         "finish_reasons": ref.get("finish_reasons"),
+                         "source": "reference run", "error": ref.get("error")}
+            references[key] = reference
+    par = abstats.parity(a, b, reference)
+    thr = abstats.throughput_summary(a["tok_s"], b["tok_s"])
+    checks = abstats.checks(a, b, par, thr, settings["tolerance"])
+    return {"name": sc.name, "description": sc.description, "spec": spec,
+            "rounds_per_sample": rounds, "sides": summary,
+            "reference": None if reference is None else {
+                k: reference.get(k) for k in ("source", "error")},
+            "parity": par, "throughput": thr, "checks": checks,
+            "ok": abstats.verdict(checks)}
+
+
+def probe_environment(timeout: float = 300.0) -> dict:
+    """Versions and platform, from a child that imports vLLM (and warms the file cache)."""
+    code = ("import json, os, platform, torch, vllm\n"
+            "from vllm.platforms import current_platform as p\n"
+            "print('KVGUARD_PROBE ' + json.dumps({'vllm': vllm.__version__, "
+            "'torch': torch.__version__, 'platform': p.device_type or 'unknown', "
+            "'python': platform.python_version(), 'cpus': os.cpu_count()}))\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"importing vLLM took more than {timeout:.0f} s; is it installed?")
+    for line in res.stdout.splitlines():
+        if line.startswith("KVGUARD_PROBE "):
+            return json.loads(line[len("KVGUARD_PROBE "):])
+    raise UsageError("vLLM cannot be imported by this Python "
+                     f"({sys.executable}): {res.stderr.strip().splitlines()[-1:]}")
+
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def microbench(name: str, timeout: float) -> dict:
+    """``benchmarks/bench_<name>.py``'s ``measure(quick=True)`` (a dict with ``ratio``:
+    time with the plugin on / off), run in a child; n/a when the module is absent."""
+    path = BENCH_DIR / f"bench_{name}.py"
+    if not path.is_file():
+        return {"ratio": None, "detail": f"benchmarks/bench_{name}.py not present"}
+    code = ("import importlib.util, json, sys\n"
+            f"s = importlib.util.spec_from_file_location('bench', {str(path)!r})\n"
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
+            "f = getattr(m, 'measure', None)\n"
+            "r = f(quick=True) if f else {'ratio': None, 'detail': 'no measure() function'}\n"
+            "print('KVGUARD_BENCH ' + json.dumps(r, default=str))\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout, cwd=str(BENCH_DIR.parent))
+    except subprocess.TimeoutExpired:
+        return {"ratio": None, "detail": f"timed out after {timeout:.0f} s"}
+    for line in res.stdout.splitlines():
+        if line.startswith("KVGUARD_BENCH "):
+            return json.loads(line[len("KVGUARD_BENCH "):])
+    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"ratio": None, "detail": f"failed: {tail[:120]}"}
+
+
+def run_all(settings: dict, prog: Progress, report: dict) -> None:
+    """Fill ``report`` scenario by scenario (so Ctrl-C leaves what was done)."""
+    report["environment"] = probe_environment()
+    prog.say(f"vLLM {report['environment']['vllm']} on {report['environment']['platform']}",
+             advance=1)
+    references: dict[str, dict] = {}
+    for name in settings["scenarios"]:
+        report["scenarios"].append(run_scenario(SCENARIOS[name], settings, prog, references))
+    if settings.get("microbench", True):
+        for name in ("allocator", "dispatch"):
+            report["microbench"][name] = microbench(name, settings["timeout"])
+            prog.say(f"micro-benchmark {name}: {report['microbench'][name]}", advance=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = validate(args)
+    except UsageError as exc:
+        parser.error(str(exc))                       # exit 2, before any engine
+    settings["microbench"] = not args.no_microbench
+    report: dict[str, Any] = {
+        "tool": "kvguard-ab", "kvguard_version": __version__,
+        "command": " ".join(["kvguard-ab", *(sys.argv[1:] if argv is None else argv)]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": {},
+        "settings": {k: v for k, v in settings.items()}, "scenarios": [],
+        "microbench": {}, "interrupted": False}
+    prog = Progress(steps_for(settings), args.quiet)
+    t0 = time.monotonic()
+    try:
+        run_all(settings, prog, report)
+    except UsageError as exc:
+        prog.close()
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        report["interrupted"] = True                 # children were killed on the way out
+    finally:
+        prog.close()
+    report["duration_s"] = round(time.monotonic() - t0, 1)
+    report["ok"] = (not report["interrupted"] and bool(report["scenarios"])
+                    and all(sc["ok"] for sc in report["scenarios"]))
+    if report["scenarios"]:
+        print(abreport.format_table(report), flush=True)
+    else:
+        print("kvguard-ab: interrupted before any scenario finished", flush=True)
+    written = [abreport.write_json(report, args.json)]
+    if not args.no_png and report["scenarios"]:
+        written.append(abreport.write_png(report, args.png))
+    print(f"wrote {', '.join(str(p) for p in written)} in {report['duration_s']:.0f} s",
+          flush=True)
+    if report["interrupted"]:
+        return 130
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

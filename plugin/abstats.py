@@ -1,0 +1,170 @@
+"""The numbers behind ``kvguard-ab``: throughput samples, paired ratios, output parity and
+the pass/fail checks. Pure functions over plain dicts (no vLLM), so they are unit-tested.
+
+A *side* is what one engine process reported (see :func:`vllm_kvguard.ab.side_summary`):
+``tok_s`` (one throughput per measured sample), ``totals``, ``outputs``/``finish_reasons``
+(the first round), ``held_blocks``, ``audit_violations``, ``counters``...
+
+Ratios are paired: sample *i* of B divided by sample *i* of A, whose rounds ran one by one
+in ABBA order on two live engines, so drift of a shared machine cancels within a pair; the
+median over pairs is reported with its min-max. When the pairs disagree by more than twice
+the tolerance band the summary says ``noisy``: the verdict on throughput is then weak.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Iterable, Sequence
+
+FINISHED = ("length", "stop")
+
+PASS, FAIL, NA = "pass", "FAIL", "n/a"
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max, count and the spread (max-min) in percent of the median."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"n": 0, "median": None, "min": None, "max": None, "spread_pct": None}
+    med = statistics.median(vals)
+    spread = 100.0 * (max(vals) - min(vals)) / med if med else None
+    return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
+            "spread_pct": spread}
+
+
+def throughput(tokens_per_round: int, sample_round_s: Sequence[float]) -> float | None:
+    """Tokens per second of one sample: tokens of a round / the sample's median round time
+    (the median keeps a burst of other load on a shared machine out of the sample)."""
+    if not sample_round_s:
+        return None
+    med = statistics.median(sample_round_s)
+    return tokens_per_round / med if med > 0 else None
+
+
+def paired_ratios(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
+    """B/A for each pair where both samples exist (pairs are aligned by index)."""
+    return [y / x for x, y in zip(a, b) if x and y is not None]
+
+
+def noisy(thr: dict, tolerance: float) -> bool:
+    """The pairs disagree by more than twice the tolerance band (e.g. 6% for 0.97)."""
+    spread = thr.get("ratio_spread_pct")
+    return spread is not None and spread > 200.0 * abs(1.0 - tolerance)
+
+
+def throughput_summary(a_tok_s: Sequence[float | None],
+                       b_tok_s: Sequence[float | None]) -> dict[str, Any]:
+    ratios = paired_ratios(a_tok_s, b_tok_s)
+    s = summarize(ratios)
+    return {"ratio_median": s["median"], "ratio_min": s["min"], "ratio_max": s["max"],
+            "ratios": ratios, "ratio_spread_pct": s["spread_pct"],
+            "a": summarize([v for v in a_tok_s if v is not None]),
+            "b": summarize([v for v in b_tok_s if v is not None])}
+
+
+def compare_outputs(ref_outputs: Sequence[Sequence[int]] | None,
+                    ref_reasons: Sequence[str] | None,
+                    outputs: Sequence[Sequence[int]] | None,
+                    reasons: Sequence[str] | None) -> dict[str, Any]:
+    """Token-identical greedy outputs, request by request, where both sides finished."""
+    if ref_outputs is None or outputs is None:
+        return {"compared": 0, "identical": 0, "mismatched": []}
+    compared, identical, mismatched = 0, 0, []
+    for i, (r_out, r_why, out, why) in enumerate(zip(ref_outputs, ref_reasons or (),
+                                                     outputs, reasons or ())):
+        if r_why not in FINISHED or why not in FINISHED:
+            continue
+        compared += 1
+        if list(r_out) == list(out):
+            identical += 1
+        else:
+            mismatched.append(i)
+    return {"compared": compared, "identical": identical, "mismatched": mismatched}
+
+
+def parity(a: dict, b: dict, reference: dict | None = None) -> dict[str, Any]:
+    """B's first-round outputs against A's, or against ``reference`` (a clean, plugin-off,
+    fault-free run of the same workload) when A produced none. ``status``: pass, FAIL, n/a."""
+    against, ref = "A", a
+    if a.get("outputs") is None and reference is not None:
+        against, ref = "reference", reference
+    res = compare_outputs(ref.get("outputs"), ref.get("finish_reasons"),
+                          b.get("outputs"), b.get("finish_reasons"))
+    res["against"] = against if res["compared"] else None
+    res["status"] = NA if not res["compared"] else (PASS if not res["mismatched"] else FAIL)
+    return res
+
+
+def counter_total(counters: dict[str, dict[str, int]] | None, word: str) -> int:
+    """Sum of every counter whose category name contains ``word``."""
+    return sum(n for cat, reasons in (counters or {}).items() if word in cat
+               for n in reasons.values())
+
+
+def counters_matching(counters: dict[str, dict[str, int]] | None,
+                      word: str) -> dict[str, int]:
+    """``{"category.reason": n}`` for the categories containing ``word``."""
+    return {f"{cat}.{reason}": n for cat, reasons in sorted((counters or {}).items())
+            if word in cat for reason, n in sorted(reasons.items())}
+
+
+def leaked(side: dict) -> int | None:
+    """Blocks held after every request of a live engine finished, or audit violations;
+    None when unknown (the engine died or never started)."""
+    if side.get("engine_died") or side.get("hung") or side.get("held_blocks") is None:
+        return None
+    return int(side["held_blocks"]) + len(side.get("audit_violations") or ())
+
+
+def completed_all(side: dict) -> bool:
+    t = side.get("totals") or {}
+    return (not side.get("engine_died") and not side.get("hung")
+            and t.get("submitted", 0) > 0 and t.get("completed") == t.get("submitted"))
+
+
+def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dict[str, str]]:
+    """What makes a scenario pass: B completes every request, leaks nothing, gives A's
+    greedy outputs, stays as deterministic as A, and keeps A's throughput within tolerance."""
+    out = []
+
+    def add(name: str, status: str, detail: str) -> None:
+        out.append({"name": name, "status": status, "detail": detail})
+
+    t = b.get("totals") or {}
+    state = "hung" if b.get("hung") else "died" if b.get("engine_died") else "alive"
+    add("B completes every request", PASS if completed_all(b) else FAIL,
+        f"{t.get('completed', 0)}/{t.get('submitted', 0)} completed, engine {state}"
+        + (f": {b.get('error')}" if b.get("error") else ""))
+
+    lk = leaked(b)
+    add("B leaks no blocks", NA if lk is None else PASS if lk == 0 else FAIL,
+        "unknown" if lk is None else f"{b.get('held_blocks')} blocks held after the run, "
+        f"{len(b.get('audit_violations') or ())} audit violations")
+
+    detail = (f"{par['identical']}/{par['compared']} requests token-identical to "
+              f"{par['against']}" if par["compared"] else "nothing to compare")
+    if par.get("mismatched"):
+        detail += f"; differing requests: {par['mismatched']}"
+    add("greedy parity", par["status"], detail)
+
+    if a.get("outputs") is not None and b.get("outputs") is not None:
+        bad = a.get("outputs_consistent", True) and not b.get("outputs_consistent", True)
+        add("B as deterministic as A across rounds", FAIL if bad else PASS,
+            f"A consistent: {a.get('outputs_consistent')}, B consistent: "
+            f"{b.get('outputs_consistent')}")
+
+    med = thr.get("ratio_median")
+    if med is None:
+        add("throughput ratio", NA, "no paired samples (a side did not finish its rounds)")
+    else:
+        note = (f"; NOISY: the pairs spread {thr['ratio_spread_pct']:.0f}%, more than twice "
+                f"the {100 * abs(1 - tolerance):.0f}% band (a busy machine?); re-run on a "
+                f"quiet machine or with a larger --repeat" if noisy(thr, tolerance) else "")
+        add("throughput ratio", PASS if med >= tolerance else FAIL,
+            f"median B/A {med:.3f} over {len(thr['ratios'])} pairs "
+            f"(min {thr['ratio_min']:.3f}, max {thr['ratio_max']:.3f}); tolerance {tolerance}"
+            + note)
+    return out
+
+
+def verdict(all_checks: Iterable[dict]) -> bool:
+    return all(c["status"] != FAIL for c in all_checks)
