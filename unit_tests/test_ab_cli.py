@@ -1,0 +1,162 @@
+"""kvguard-ab command line: arguments fail fast, settings reach the engines, exit codes."""
+import json
+
+import pytest
+
+from ab_samples import scenario, side
+from vllm_kvguard import ab
+
+
+@pytest.fixture
+def no_engine(mocker):
+    """Any attempt to import vLLM or start an engine fails the test."""
+    mocker.patch.object(ab, "probe_environment", side_effect=AssertionError("vLLM probed"))
+    mocker.patch.object(ab, "WorkloadProcess", side_effect=AssertionError("engine started"))
+    mocker.patch.object(ab, "run_in_subprocess", side_effect=AssertionError("engine started"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--scenario", "nope"], ["--scenario", "'nope'", "baseline", "alloc-faults",
+                              "kv-pressure", "hybrid-spec", "coverage"]),
+    (["--scenario", "baseline,bogus"], ["--scenario", "'bogus'", "valid"]),
+    (["--model", "/no/such/model"], ["--model", "does not exist", "llama", "nemotron_h"]),
+    (["--speculative-config", "{method: ngram}"], ["--speculative-config", "not valid JSON",
+                                                   "num_speculative_tokens"]),
+    (["--speculative-config", '"ngram"'], ["--speculative-config", "method"]),
+    (["--faults", "often"], ["--faults", "every", "rate"]),
+    (["--repeat", "0"], ["--repeat", ">= 1"]),
+    (["--rounds", "many"], ["--rounds", "auto"]),
+    (["--tolerance", "3"], ["--tolerance", "0.97"]),
+    (["--engine-arg", "no-equals"], ["--engine-arg", "KEY=VALUE"]),
+    (["--json", "/no/such/dir/x.json"], ["--json", "/no/such/dir"]),
+])
+def test_bad_argument_fails_fast_naming_it_and_the_valid_choices(argv, words, no_engine,
+                                                                 capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+
+
+def test_model_dir_without_config_json(tmp_path, no_engine, capsys):
+    with pytest.raises(SystemExit):
+        ab.main(["--model", str(tmp_path)])
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def _settings(*argv):
+    return ab.validate(ab.build_parser().parse_args(list(argv)))
+
+
+def test_default_runs_every_scenario_in_order():
+    assert _settings()["scenarios"] == list(ab.SCENARIOS)
+    assert _settings("--scenario", "coverage", "baseline,coverage")["scenarios"] == [
+        "coverage", "baseline"]
+
+
+def test_engine_settings_override_every_scenario(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    s = _settings("--model", str(tmp_path), "--max-num-seqs", "4", "--no-enforce-eager",
+                  "--speculative-config", "null", "--engine-arg", "swap_space=0",
+                  "--engine-arg", "kv_cache_dtype=fp8", "--max-tokens", "16")
+    assert s["overrides"] == {"max_num_seqs": 4, "enforce_eager": False,
+                              "speculative_config": None, "swap_space": 0,
+                              "kv_cache_dtype": "fp8", "load_format": "auto"}
+    spec = ab.scenario_spec(ab.SCENARIOS["coverage"], s)
+    assert spec["model"] == str(tmp_path.resolve())
+    assert spec["engine"]["max_num_seqs"] == 4 and spec["engine"]["speculative_config"] is None
+    assert "enforce_eager" not in spec["gpu_engine"]       # the user's choice wins on GPU
+    assert spec["max_tokens"] == 16 and spec["num_requests"] == 16
+
+
+def test_embedded_models_by_default():
+    s = _settings()
+    assert ab.scenario_spec(ab.SCENARIOS["hybrid-spec"], s)["model"] == "nemotron_h"
+    assert ab.scenario_spec(ab.SCENARIOS["baseline"], s)["model"] == "llama"
+    assert "load_format" not in s["overrides"]
+
+
+def test_kv_pressure_pool_holds_one_max_len_request_but_not_the_load():
+    spec = ab.scenario_spec(ab.SCENARIOS["kv-pressure"], _settings())
+    eng = spec["engine"]
+    per_request = -(-eng["max_model_len"] // eng["block_size"])
+    assert per_request < eng["num_gpu_blocks_override"] < 8 * per_request
+    user = ab.scenario_spec(ab.SCENARIOS["kv-pressure"],
+                            _settings("--num-gpu-blocks-override", "99"))
+    assert user["engine"]["num_gpu_blocks_override"] == 99
+
+
+def test_alloc_faults_a_is_the_injector_alone_b_adds_the_fixes():
+    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["alloc-faults"],
+                                          _settings("--faults", "every=5"))
+    assert env_a == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5", "KVGUARD_PATCHES": "none"}
+    assert env_b == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5"}
+    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings())
+    assert env_a == {} and env_b == {"KVGUARD": "1"}
+
+
+def test_baseline_and_alloc_faults_share_a_workload_so_a_clean_run_is_the_reference():
+    s = _settings()
+    key = ab.workload_key(ab.scenario_spec(ab.SCENARIOS["baseline"], s))
+    assert key == ab.workload_key(ab.scenario_spec(ab.SCENARIOS["alloc-faults"], s))
+    assert key == ab.workload_key({**ab.scenario_spec(ab.SCENARIOS["baseline"], s),
+                                   "rounds": 9})
+    assert key != ab.workload_key(ab.scenario_spec(ab.SCENARIOS["kv-pressure"], s))
+
+
+def test_calibrate_rounds_to_the_sample_duration():
+    a, b = ab.Side("A", "off", {}), ab.Side("B", "on", {})
+    a.warmup_s, b.warmup_s = [0.5, 0.1], [0.4, 0.2]
+    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 10
+    assert ab.calibrate({"rounds": 3, "sample_seconds": 1.0}, [a, b]) == 3
+    b.warmup_s, a.warmup_s = [], []
+    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 1
+
+
+@pytest.fixture
+def fake_run(mocker, tmp_path, monkeypatch):
+    """main() with scenarios replaced by canned results (no engine)."""
+    monkeypatch.chdir(tmp_path)
+    mocker.patch.object(ab, "probe_environment",
+                        return_value={"vllm": "0.32.0", "platform": "cpu", "cpus": 2})
+    return mocker.patch.object(ab, "run_scenario")
+
+
+def test_exit_zero_when_every_check_passes(fake_run, tmp_path, capsys):
+    fake_run.return_value = scenario()
+    assert ab.main(["--scenario", "baseline", "--no-microbench", "--quiet"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    data = json.loads((tmp_path / "kvguard-ab.json").read_text())
+    assert data["ok"] and data["scenarios"][0]["name"] == "baseline"
+    assert (tmp_path / "kvguard-ab.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_exit_one_when_b_is_slower_than_the_tolerance(fake_run, capsys):
+    fake_run.return_value = scenario(b=side("on", tok_s=(90.0, 90.0, 90.0)))
+    assert ab.main(["--scenario", "baseline", "--no-microbench", "--quiet", "--no-png"]) == 1
+    assert "[FAIL] throughput ratio" in capsys.readouterr().out
+
+
+def test_ctrl_c_prints_what_was_done_and_exits_130(fake_run, tmp_path, capsys):
+    fake_run.side_effect = [scenario(), KeyboardInterrupt()]
+    assert ab.main(["--scenario", "baseline", "kv-pressure", "--no-microbench",
+                    "--quiet"]) == 130
+    out = capsys.readouterr().out
+    assert "baseline" in out and "INTERRUPTED" in out
+    data = json.loads((tmp_path / "kvguard-ab.json").read_text())
+    assert data["interrupted"] and not data["ok"] and len(data["scenarios"]) == 1
+
+
+def test_microbench_absent_is_na(tmp_path, monkeypatch):
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    res = ab.microbench("allocator", 10)
+    assert res["ratio"] is None and "bench_allocator.py not present" in res["detail"]
+
+
+def test_microbench_runs_measure_in_a_child(tmp_path, monkeypatch):
+    (tmp_path / "bench_dispatch.py").write_text(
+        "def measure(quick=False):\n    return {'ratio': 1.02, 'quick': quick}\n")
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    assert ab.microbench("dispatch", 60) == {"ratio": 1.02, "quick": True}

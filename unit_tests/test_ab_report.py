@@ -1,0 +1,108 @@
+"""kvguard-ab writers: the text table, the JSON file and the pure-Python PNG chart."""
+import json
+import struct
+import zlib
+
+from ab_samples import report, scenario, side
+from vllm_kvguard import abreport
+
+
+def _rows(text):
+    return [line.split() for line in text.splitlines()]
+
+
+def test_table_has_one_row_per_side_and_the_scenario_columns_on_b():
+    text = abreport.format_table(report(scenario()))
+    header = next(line for line in text.splitlines() if line.startswith("scenario"))
+    for col in abreport.COLUMNS:
+        assert col in header
+    a_row = next(r for r in _rows(text) if r[:2] == ["baseline", "A"])
+    b_row = next(r for r in _rows(text) if r[:1] == ["B"])
+    assert "32/0/0" in a_row and "32/0/0" in b_row
+    assert "1.000" in b_row                      # median of 1.0, 1.0, 1.0
+    assert "2/2" in b_row                        # parity
+    assert text.splitlines()[-1] == "verdict: PASS"
+
+
+def test_table_shows_a_dead_and_b_alive_with_parity_against_the_reference():
+    ref = {"outputs": [[5, 6, 7], [8, 9, 10]], "finish_reasons": ["length", "length"]}
+    sc = scenario("alloc-faults", a=side("faults only", died=True, faults=1),
+                  b=side("on + faults", faults=9, patches={"allocator": "applied"},
+                         counters={"rollback": {"InjectedFault": 9}}), reference=ref)
+    text = abreport.format_table(report(sc))
+    a_row = next(r for r in _rows(text) if r[:2] == ["alloc-faults", "A"])
+    b_row = next(r for r in _rows(text) if r[:1] == ["B"])
+    assert "YES" in a_row and "0/8/0" in a_row
+    assert "no" in b_row and "9" in b_row        # faults injected and rolled back
+    assert "2/2" in b_row and "=ref" in b_row
+    assert "n/a" in b_row                        # no throughput ratio without A
+    assert text.splitlines()[-1] == "verdict: PASS"
+
+
+def test_table_lists_failed_checks_and_a_failing_verdict():
+    sc = scenario(b=side("on", tok_s=(80.0, 80.0, 80.0), patches={"allocator": "applied"}))
+    text = abreport.format_table(report(sc))
+    assert "[FAIL] throughput ratio" in text
+    assert text.splitlines()[-1].startswith("verdict: FAIL (baseline: throughput ratio")
+
+
+def test_table_of_an_interrupted_run_is_incomplete_not_pass():
+    text = abreport.format_table(report(scenario(), interrupted=True))
+    assert "INTERRUPTED" in text and text.splitlines()[-1] == "verdict: INCOMPLETE"
+
+
+def test_coverage_cell():
+    assert abreport.coverage_cell(side(platform="cpu")) == "n/a on CPU"
+    assert abreport.coverage_cell(side(platform="cuda")) == "no counters"
+    gpu = side(platform="cuda", counters={"cudagraph": {"graph": 90, "eager": 10}})
+    assert abreport.coverage_cell(gpu) == "eager=10, graph=90"
+
+
+def test_json_round_trip(tmp_path):
+    rep = report(scenario())
+    path = abreport.write_json(rep, tmp_path / "sub" / "ab.json")
+    assert json.loads(path.read_text()) == rep
+
+
+def _decode_png(data):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    assert (depth, color) == (8, 2) and len(raw) == h * (1 + 3 * w)
+    pixels = {bytes(raw[y * (1 + 3 * w) + 1 + 3 * x:y * (1 + 3 * w) + 4 + 3 * x])
+              for y in range(h) for x in range(0, w, 2)}
+    return w, h, pixels
+
+
+def test_png_is_valid_and_draws_b_bars_in_blue(tmp_path):
+    path = abreport.write_png(report(scenario()), tmp_path / "ab.png")
+    w, h, pixels = _decode_png(path.read_bytes())
+    assert w >= 640 and h > 400
+    assert bytes(abreport.BLUE) in pixels and bytes(abreport.GRAY) in pixels
+    assert bytes(abreport.GREEN) in pixels       # ratio within tolerance
+
+
+def test_png_marks_a_ratio_below_tolerance_red(tmp_path):
+    sc = scenario(b=side("on", tok_s=(80.0, 80.0, 80.0)))
+    path = abreport.write_png(report(sc), tmp_path / "ab.png")
+    _, _, pixels = _decode_png(path.read_bytes())
+    assert bytes(abreport.GREEN) not in pixels
+
+
+def test_text_draws_every_glyph_and_unknown_characters_as_question_mark():
+    cv = abreport.Canvas(700, 20)
+    end = cv.text(0, 0, "".join(abreport._FONT), scale=1)
+    assert end == 6 * len(abreport._FONT)
+    assert bytes(abreport.BLACK) in bytes(cv.px)
+    a, b = abreport.Canvas(10, 10), abreport.Canvas(10, 10)
+    a.text(0, 0, "~", scale=1)
+    b.text(0, 0, "?", scale=1)
+    assert a.px == b.px
