@@ -77,35 +77,39 @@ def kvguard_startup_report(vllm_config, kv_cache_config):
 
 
 # --------------------------------------------------------------------------- cudagraph
-# Startup hooks run once per KV-cache (re)initialisation; the runtime dispatch path calls no
-# hook unless a batch the configuration meant to graph falls back (``..._fallback``).
+# Startup hooks run once per KV-cache (re)initialisation of a model runner (V1
+# ``gpu_model_runner.GPUModelRunner`` and its CPU subclass, V2 ``gpu.model_runner``). The
+# runtime dispatch path calls no hook unless a batch the configuration meant to graph
+# falls back (``kvguard_cudagraph_fallback``).
 @hookspec
-def kvguard_cudagraph_resolved(compilation_config, mode, kv_cache_config, max_num_reqs,
-                               uniform_decode_query_len, is_profiling):
-    """``CompilationConfig.resolve_cudagraph_mode_and_sizes`` returned ``mode``."""
-
-
-@hookspec
-def kvguard_cudagraph_before_keys(owner):
-    """A V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager`` (``owner``) is about to turn
-    the capture sizes into graph keys: the capture-completion point."""
+def kvguard_cudagraph_before_kv_init(runner, kv_cache_config, is_profiling):
+    """``runner.initialize_kv_cache(kv_cache_config)`` is about to run: the capture
+    sizes can still change (attention builders and graph keys are built inside it).
+    The capture-completion point (:mod:`vllm_kvguard.fixes.coverage`)."""
 
 
 @hookspec
-def kvguard_cudagraph_keys_built(owner):
-    """``owner``'s graph keys exist (not captured yet): the coverage-audit point."""
+def kvguard_cudagraph_after_kv_init(runner, kv_cache_config, is_profiling):
+    """``runner.initialize_kv_cache`` returned: the graph keys exist (not captured yet).
+    The coverage-audit and padding-target point."""
 
 
 @hookspec
-def kvguard_cudagraph_captured(runner, owner, profile_only):
+def kvguard_cudagraph_before_capture(runner, profile_only):
+    """``runner.capture_model`` is about to run (V2: re-allow capture for it)."""
+
+
+@hookspec
+def kvguard_cudagraph_captured(runner, profile_only):
     """``runner.capture_model`` returned: arm runtime accounting (and, for V2, disable
     further capture) unless ``profile_only``."""
 
 
 @hookspec
-def kvguard_cudagraph_reinit(runner, phase, error):
-    """KV/graph re-initialisation: ``phase`` is ``"suspend"`` (sleep, graph release) or
-    ``"resume"`` (wake-up, recapture); ``error`` is the exception if it failed."""
+def kvguard_cudagraph_reinit(worker, phase, error):
+    """KV re-initialisation around the plugin's state: ``phase`` is ``"suspend"``
+    (before ``Worker.sleep``) or ``"resume"`` (after ``Worker.wake_up``); ``error`` is the
+    exception the host call raised, or None."""
 
 
 @hookspec
@@ -114,6 +118,8 @@ def kvguard_block_pool_ready(pool):
 
 
 @hookspec
-def kvguard_cudagraph_fallback(owner, reason, num_tokens, detail):
-    """A batch the configuration meant to graph ran eager or PIECEWISE, for ``reason``
-    (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``detail`` is a short text."""
+def kvguard_cudagraph_fallback(owner, reason, mode, num_tokens, detail):
+    """A batch the configuration meant to graph ran ``mode`` (eager ``NONE`` or
+    ``PIECEWISE``) on ``owner`` (a V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager``),
+    for ``reason`` (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``detail`` is a
+    short text. Called on the fallback path only (never for a graphed batch)."""
