@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 RESULT_TAG = "KVGUARD_WORKLOAD_RESULT "
@@ -144,7 +145,8 @@ class Session:
         try:
             results = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         except Exception as exc:
-            self.out.update(error=f"{type(exc).__name__}: {exc}", engine_died=True)
+            self.out.update(error=f"{type(exc).__name__}: {exc}", engine_died=True,
+                            traceback=traceback.format_exc()[-6000:])
             self.totals["failed"] += len(self.prompts)   # generate() returns none of them
             return None
         self.round_s.append(time.perf_counter() - t)
