@@ -1,0 +1,275 @@
+"""Transactional ``allocate_slots`` on REAL vLLM managers (fixes/rollback.py).
+
+Faults come from the project's own injector (``KVGUARD_FAULTS``, patches/faults.py) or,
+for phases other than ``BlockPool.get_new_blocks``, from pytest-mock on one manager
+instance. Every test compares the full state picture (kv_fixtures.state) before the
+failing call and after it: identical, except that the prefix cache may have forgotten
+hashes. Each also shows what vLLM does without the fix, so it fails if the fix is gone.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
+                         prefill, state, state_diff)
+
+from vllm_kvguard import activation, report  # noqa: E402
+from vllm_kvguard.fixes import faults, rollback  # noqa: E402
+from vllm_kvguard.flags import FaultSpec  # noqa: E402
+from vllm_kvguard.manager import register, unregister  # noqa: E402
+from vllm_kvguard.registry import InjectedFault  # noqa: E402
+
+BS = 16
+
+
+NEVER = FaultSpec(every=1, after=10**12)
+
+
+def activate(fix: bool = True):
+    """The allocator fix (or none) plus the fault injector, disarmed."""
+    activation.deactivate()
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator" if fix else "none",
+                         "KVGUARD_FAULTS": "every=1,after=1000000000000"})
+    faults.reset(NEVER)
+
+
+def arm(nth: int) -> None:
+    """Fail the ``nth`` ``BlockPool.get_new_blocks`` call from now on, once."""
+    faults.reset(FaultSpec(every=nth, limit=1))
+
+
+def fired() -> int:
+    return faults.schedule().fired
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
+
+
+def admit(manager, req, *, lookahead: int = 0, external: int = 0):
+    """What the scheduler's waiting loop does for a new request (local prefix hit)."""
+    blocks, hit, _ = manager.get_computed_blocks(req)
+    new = req.num_tokens - hit - external
+    out = manager.allocate_slots(req, new, num_new_computed_tokens=hit,
+                                 new_computed_blocks=blocks, num_lookahead_tokens=lookahead,
+                                 num_external_computed_tokens=external)
+    if out is not None:
+        req.num_computed_tokens = req.num_tokens
+    return out
+
+
+def decode(manager, req, *, lookahead: int = 0):
+    req.append_output_token_ids(5)
+    out = manager.allocate_slots(req, 1, num_lookahead_tokens=lookahead)
+    if out is not None:
+        req.num_computed_tokens += 1
+    return out
+
+
+def cached_prefix_manager(enable_caching=True, nsb=0, num_blocks=48):
+    """A manager whose pool holds a finished request's cached prefix (eviction candidates)
+    and one running request."""
+    m = hybrid_manager(num_blocks, enable_caching=enable_caching, nsb=nsb)
+    done = make_request("done", prompt(1, 70))
+    assert prefill(m, done) is not None
+    m.free(done)
+    running = make_request("running", prompt(2, 47))
+    assert prefill(m, running, lookahead=2) is not None
+    m.new_step_starts()           # a new scheduler step: today's cached blocks are hittable
+    return m, running
+
+
+def hitting_request(rid="new"):
+    """Shares the finished request's first 64 tokens (4 blocks, a Mamba state at 64)."""
+    return make_request(rid, prompt(1, 64) + prompt(3, 30))
+
+
+# ------------------------------------------------------------------------- get_new_blocks
+@pytest.mark.parametrize("enable_caching", [True, False])
+@pytest.mark.parametrize("nth", [1, 2])
+def test_new_request_fault_in_any_pop_is_rolled_back(enable_caching, nth):
+    activate()
+    m, _ = cached_prefix_manager(enable_caching)
+    req = hitting_request()
+    before = state(m)
+    arm(nth)
+    assert admit(m, req) is None
+    assert fired() == 1
+    assert state_diff(before, state(m)) == []
+    assert report.snapshot()["rollback"] == {"InjectedFault": 1}
+    # the request is scheduled later, when the scheduler retries
+    assert admit(m, req) is not None
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_without_the_fix_the_same_fault_escapes_and_leaves_half_state(nth):
+    activate(fix=False)
+    m, _ = cached_prefix_manager()
+    req = hitting_request()
+    before = state(m)
+    arm(nth)
+    with pytest.raises(InjectedFault):
+        admit(m, req)
+    assert state_diff(before, state(m)) != []
+
+
+@pytest.mark.parametrize("nsb", [0, 2])
+@pytest.mark.parametrize("lookahead", [0, 4])
+def test_running_request_fault_is_rolled_back(nsb, lookahead):
+    """Decode steps of a running request; a fault in the first allocation that pops."""
+    activate()
+    m, run = cached_prefix_manager(nsb=nsb)
+    for _ in range(40):
+        m.new_step_starts()
+        before = state(m)
+        arm(1)
+        out = decode(m, run, lookahead=lookahead)
+        if fired():
+            assert out is None
+            assert state_diff(before, state(m)) == []
+            run.num_computed_tokens = run.num_tokens - 1      # the token is retried
+            assert report.snapshot()["rollback"]
+            return
+        assert out is not None
+    pytest.fail("no allocation popped a block in 40 decode steps")
+
+
+# ------------------------------------------------------------------------- other phases
+PHASES = ["add_local_computed_blocks", "allocate_external_computed_blocks",
+          "allocate_new_blocks", "cache_blocks"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("group", [0, 1])
+def test_fault_after_any_phase_of_any_group(mocker, phase, group):
+    """The phase ran completely in ``group`` (its mutations happened), then raised."""
+    activate()
+    m, _ = cached_prefix_manager()
+    req = hitting_request()
+    mgr = groups(m)[group]
+    original = getattr(mgr, phase)
+
+    def run_then_raise(*args, **kwargs):
+        original(*args, **kwargs)
+        raise AssertionError(f"injected after {phase}")
+
+    injected = mocker.patch.object(mgr, phase, side_effect=run_then_raise)
+    before = state(m)
+    external = 16 if phase == "allocate_external_computed_blocks" else 0
+    assert admit(m, req, lookahead=2, external=external) is None
+    assert injected.called
+    assert state_diff(before, state(m)) == []
+    assert report.snapshot()["rollback"] == {"AssertionError": 1}
+
+
+def test_rollback_prefix_hits_stay_correct(mocker):
+    """cache_blocks registers hashes before the forward pass runs; after a rollback no
+    later request may hit those blocks (their content was never computed), while the
+    prefix computed earlier still hits."""
+    activate()
+    m = hybrid_manager(64)
+    first = make_request("first", prompt(4, 64))
+    assert admit(m, first) is not None                    # computed: 4 full blocks
+    m.free(first)
+    second = make_request("second", prompt(4, 64) + prompt(5, 64))
+    attn = groups(m)[0]
+    original = attn.cache_blocks
+
+    def cache_then_fail(*args, **kwargs):
+        original(*args, **kwargs)
+        raise RuntimeError("injected after cache_blocks")
+
+    mocker.patch.object(attn, "cache_blocks", side_effect=cache_then_fail)
+    assert admit(m, second) is None                       # rolled back
+    mocker.stopall()
+    third = make_request("third", prompt(4, 64) + prompt(5, 64) + prompt(6, 20))
+    blocks, hit, _ = m.get_computed_blocks(third)
+    assert hit == 64, "only the prefix that was really computed may hit"
+    first_again = make_request("again", prompt(4, 64) + [1])
+    _, hit_again, _ = m.get_computed_blocks(first_again)
+    assert hit_again == 64
+
+
+def test_error_before_any_change_is_reraised():
+    """vLLM's own argument check raises before mutating: not a rollback, vLLM's error."""
+    activate()
+    m = hybrid_manager(16)
+    req = make_request("r", prompt(1, 20))
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        m.allocate_slots(req, 0)
+    assert "rollback" not in report.snapshot()
+
+
+def test_undo_failure_reraises_the_original_error(mocker):
+    activate()
+    m = hybrid_manager(32)
+    req = make_request("r", prompt(1, 40))
+    arm(2)
+    mocker.patch.object(rollback, "rollback", side_effect=rollback.RollbackFailed("x"))
+    with pytest.raises(InjectedFault):
+        admit(m, req)
+    assert report.snapshot()["rollback_failed"] == {"InjectedFault": 1}
+
+
+def test_rolled_back_hook_names_the_group(kvguard_log):
+    seen = []
+
+    class Listener:
+        from vllm_kvguard.hookspecs import hookimpl
+
+        @hookimpl
+        def kvguard_allocation_rolled_back(self, manager, request, group, error):
+            seen.append((request.request_id, group, type(error).__name__))
+
+    activate()
+    register(Listener(), "test.listener")
+    try:
+        m = hybrid_manager(32)
+        arm(2)                                          # 2nd pop: the Mamba group
+        assert admit(m, make_request("r", prompt(1, 40))) is None
+    finally:
+        unregister("test.listener")
+    assert seen == [("r", 1, "InjectedFault")]
+    lines = [line for line in kvguard_log.lines() if "rolled back" in line]
+    assert len(lines) == 1 and "request r" in lines[0] and "group 1" in lines[0]
+
+
+# ------------------------------------------------------------------------- the machinery
+def test_fast_path_and_containers_are_removed_on_deactivate():
+    activate()
+    m, run = cached_prefix_manager()
+    assert "allocate_slots" in vars(m)                   # per-instance fast path
+    assert type(groups(m)[0].req_to_blocks).__name__ == "JDefaultDict"
+    assert "get_new_blocks" in vars(m.block_pool)
+    activation.deactivate()
+    assert "allocate_slots" not in vars(m)
+    assert type(groups(m)[0].req_to_blocks).__name__ == "defaultdict"
+    assert type(groups(m)[1].num_cached_block) is dict
+    assert "get_new_blocks" not in vars(m.block_pool)
+    assert decode(m, run) is not None                    # vLLM runs as before
+
+
+def test_unknown_manager_type_is_left_alone(kvguard_log):
+    activate()
+    m = hybrid_manager(32)
+    arm(2)
+    groups(m)[1].__class__ = type("PrivateManager", (type(groups(m)[1]),), {})
+    with pytest.raises(InjectedFault):
+        admit(m, make_request("r", prompt(1, 40)))
+    assert any("not available for manager(s) PrivateManager" in line
+               for line in kvguard_log.lines())
+
+
+def test_free_queue_order_is_restored_exactly():
+    """Touched eviction candidates go back behind their old neighbours, popped blocks to
+    the head in pop order (not just the same set)."""
+    activate()
+    m, _ = cached_prefix_manager()
+    req = hitting_request()
+    assert m.get_computed_blocks(req)[1] == 64           # 4+4 cached blocks get touched
+    order = free_ids(m)
+    arm(2)                                               # the Mamba group's pop, last
+    assert admit(m, req) is None
+    assert free_ids(m) == order
