@@ -22,3 +22,12 @@ def register_warmup_fixes() -> None:
     register(estimate, "kvguard.estimate")
     register(warmup_guard, "kvguard.warmup_guard")
     register(capacity, "kvguard.capacity")
+
+
+def register_cudagraph_fixes() -> None:
+    from vllm_kvguard import metrics
+    from vllm_kvguard.fixes import coverage, fallbacks
+
+    register(coverage, "kvguard.coverage")
+    register(fallbacks, "kvguard.fallbacks")
+    metrics.setup()

@@ -1,0 +1,195 @@
+"""Prometheus export of vllm-kvguard's counters through vLLM's own metrics path.
+
+vLLM's OpenAI server serves prometheus_client's default registry on ``/metrics``
+(``vllm.v1.metrics.prometheus.get_prometheus_registry``), and ``LLM.get_metrics()`` reads
+the same registry. :func:`setup` registers one collector there (no HTTP server of ours):
+
+``kvguard_cudagraph_fallbacks_total{reason=...}``
+    every reason of :data:`vllm_kvguard.fixes.fallbacks.REASONS`, present at 0 from startup
+``kvguard_events_total{category=..., reason=...}``
+    every other :func:`vllm_kvguard.report.count` category
+
+Counts happen where vLLM runs the code (EngineCore, workers); ``/metrics`` is served by the
+API server process. Each process that counts writes its :func:`report.snapshot` to
+``<KVGUARD_METRICS_DIR>/<pid>.json`` (atomically, at most once a second via a one-shot
+timer, and at exit); the directory is created by the first process that activates the
+plugin and inherited by the processes it starts (an internal variable, like vLLM's own
+``PROMETHEUS_MULTIPROC_DIR``). At scrape time the collector adds the other processes'
+files to its own live counters.
+
+Limit: with ``--api-server-count`` > 1 vLLM serves only prometheus_client's multiprocess
+files, which this collector does not write; the counters are then in the logs only.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+ENV_DIR = "KVGUARD_METRICS_DIR"
+FLUSH_INTERVAL_S = 1.0
+FALLBACK_METRIC = "kvguard_cudagraph_fallbacks"
+EVENTS_METRIC = "kvguard_events"
+
+_lock = threading.Lock()
+_state: dict = {"dir": None, "created": False, "collector": None, "registry": None,
+                "last_flush": 0.0, "timer": None, "atexit": False}
+
+
+def _fallback_reasons() -> tuple[str, ...]:
+    from vllm_kvguard.fixes.fallbacks import CATEGORY, REASONS
+
+    return CATEGORY, REASONS
+
+
+class KvguardCollector:
+    """A prometheus_client collector over every process's vllm-kvguard counters."""
+
+    def describe(self):
+        return self._families({})
+
+    def collect(self):
+        return self._families(totals())
+
+    @staticmethod
+    def _families(counts: dict):
+        from prometheus_client.core import CounterMetricFamily
+
+        category, reasons = _fallback_reasons()
+        fallbacks = CounterMetricFamily(
+            FALLBACK_METRIC, "Batches the CUDA-graph configuration meant to graph that ran "
+            "eager or PIECEWISE, by reason (vllm-kvguard)", labels=["reason"])
+        seen = counts.get(category, {})
+        for reason in sorted(set(reasons) | set(seen)):
+            fallbacks.add_metric([reason], float(seen.get(reason, 0)))
+        events = CounterMetricFamily(EVENTS_METRIC, "vllm-kvguard events by category and "
+                                     "reason", labels=["category", "reason"])
+        for cat in sorted(counts):
+            if cat != category:
+                for reason, n in sorted(counts[cat].items()):
+                    events.add_metric([cat, reason], float(n))
+        return [fallbacks, events]
+
+
+def setup(registry=None) -> None:
+    """Create/inherit the snapshot directory and register the collector. Idempotent."""
+    with _lock:
+        if _state["collector"] is not None:
+            return
+        directory = os.environ.get(ENV_DIR)
+        if not directory or not os.path.isdir(directory):
+            directory = tempfile.mkdtemp(prefix="kvguard-metrics-")
+            os.environ[ENV_DIR] = directory
+            _state["created"] = True
+        _state["dir"] = directory
+        if not _state["atexit"]:
+            atexit.register(_at_exit)
+            _state["atexit"] = True
+        try:
+            if registry is None:
+                from prometheus_client import REGISTRY as registry
+        except ImportError:
+            return
+        collector = KvguardCollector()
+        registry.register(collector)
+        _state["collector"], _state["registry"] = collector, registry
+
+
+def teardown() -> None:
+    """Unregister the collector, stop the timer, remove a directory this process made."""
+    with _lock:
+        if _state["collector"] is not None:
+            try:
+                _state["registry"].unregister(_state["collector"])
+            except KeyError:
+                pass
+        timer = _state["timer"]
+        if timer is not None:
+            timer.cancel()
+        if _state["created"] and _state["dir"]:
+            shutil.rmtree(_state["dir"], ignore_errors=True)
+            if os.environ.get(ENV_DIR) == _state["dir"]:
+                del os.environ[ENV_DIR]
+        _state.update(dir=None, created=False, collector=None, registry=None, timer=None,
+                      last_flush=0.0)
+
+
+def changed() -> None:
+    """A counter changed: publish this process's snapshot within ``FLUSH_INTERVAL_S``."""
+    if _state["dir"] is None:
+        return
+    wait = FLUSH_INTERVAL_S - (time.monotonic() - _state["last_flush"])
+    if wait <= 0:
+        flush()
+        return
+    with _lock:
+        if _state["timer"] is None:
+            timer = threading.Timer(wait, _timer_flush)
+            timer.daemon = True
+            _state["timer"] = timer
+            timer.start()
+
+
+def _timer_flush() -> None:
+    with _lock:
+        _state["timer"] = None
+    flush()
+
+
+def flush() -> None:
+    """Write this process's counters to ``<dir>/<pid>.json`` (atomic replace)."""
+    from vllm_kvguard import report
+
+    directory = _state["dir"]
+    _state["last_flush"] = time.monotonic()
+    snap = report.snapshot()
+    if directory is None or not snap:
+        return
+    path = os.path.join(directory, f"{os.getpid()}.json")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(snap, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass                       # the directory went away (shutdown): nothing to publish
+
+
+def totals() -> dict[str, dict[str, int]]:
+    """Counters of every process: the other processes' files plus this one's live state."""
+    from vllm_kvguard import report
+
+    merged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    directory = _state["dir"]
+    own = f"{os.getpid()}.json"
+    if directory:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            names = []
+        for name in names:
+            if not name.endswith(".json") or name == own:
+                continue
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    snap = json.load(f)
+            except (OSError, ValueError):
+                continue
+            for cat, reasons in snap.items():
+                for reason, n in reasons.items():
+                    merged[cat][reason] += int(n)
+    for cat, reasons in report.snapshot().items():
+        for reason, n in reasons.items():
+            merged[cat][reason] += n
+    return {cat: dict(r) for cat, r in merged.items()}
+
+
+def _at_exit() -> None:
+    flush()
+    if _state["created"] and _state["dir"]:
+        shutil.rmtree(_state["dir"], ignore_errors=True)

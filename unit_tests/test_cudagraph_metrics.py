@@ -1,0 +1,82 @@
+"""Prometheus export: the collector in a prometheus_client registry, across processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from vllm_kvguard import metrics, report  # noqa: E402
+from vllm_kvguard.fixes import fallbacks  # noqa: E402
+
+
+@pytest.fixture
+def registry():
+    reg = prometheus_client.CollectorRegistry()
+    metrics.setup(registry=reg)
+    yield reg
+    metrics.teardown()
+
+
+def text(reg) -> str:
+    return prometheus_client.generate_latest(reg).decode()
+
+
+def test_every_reason_is_exported_at_zero(registry):
+    out = text(registry)
+    for reason in fallbacks.REASONS:
+        assert f'kvguard_cudagraph_fallbacks_total{{reason="{reason}"}} 0.0' in out
+    assert "# TYPE kvguard_cudagraph_fallbacks_total counter" in out or \
+           "# TYPE kvguard_cudagraph_fallbacks counter" in out
+
+
+def test_counts_and_other_categories(registry):
+    report.count(fallbacks.CATEGORY, "over_max_capture_size", 3)
+    report.count("rollback", "ValueError")
+    out = text(registry)
+    assert 'kvguard_cudagraph_fallbacks_total{reason="over_max_capture_size"} 3.0' in out
+    assert 'kvguard_events_total{category="rollback",reason="ValueError"} 1.0' in out
+
+
+def test_other_processes_are_added(registry):
+    """A worker process (inherits KVGUARD_METRICS_DIR) counts; this process exports it."""
+    directory = os.environ[metrics.ENV_DIR]
+    code = ("from vllm_kvguard import metrics, report\n"
+            "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
+            "report.count('cudagraph_fallback', 'non_uniform_drafts', 5)\n"
+            "metrics.changed()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, metrics.ENV_DIR: directory})
+    files = [f for f in os.listdir(directory) if f.endswith(".json")]
+    assert len(files) == 1 and json.load(open(os.path.join(directory, files[0]))) == {
+        "cudagraph_fallback": {"non_uniform_drafts": 5}}
+    report.count(fallbacks.CATEGORY, "non_uniform_drafts", 1)
+    out = text(registry)
+    assert 'kvguard_cudagraph_fallbacks_total{reason="non_uniform_drafts"} 6.0' in out
+
+
+def test_flush_is_rate_limited_and_completed_by_a_timer(registry):
+    directory = os.environ[metrics.ENV_DIR]
+    own = os.path.join(directory, f"{os.getpid()}.json")
+    report.count(fallbacks.CATEGORY, "lora")
+    metrics.changed()                                      # first change: written at once
+    assert json.load(open(own))["cudagraph_fallback"]["lora"] == 1
+    report.count(fallbacks.CATEGORY, "lora")
+    metrics.changed()                                      # within the interval: deferred
+    timer = metrics._state["timer"]
+    assert timer is not None
+    timer.join(timeout=10)
+    assert json.load(open(own))["cudagraph_fallback"]["lora"] == 2
+
+
+def test_teardown_removes_what_it_created():
+    reg = prometheus_client.CollectorRegistry()
+    metrics.setup(registry=reg)
+    directory = os.environ[metrics.ENV_DIR]
+    metrics.teardown()
+    assert not os.path.exists(directory) and metrics.ENV_DIR not in os.environ
+    assert "kvguard_cudagraph_fallbacks" not in text(reg)
