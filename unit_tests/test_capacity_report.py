@@ -13,6 +13,7 @@ from test_estimate_parity import (allocate, held, make_kv_cache_config, make_man
                                   make_request, spec_full, spec_mamba, spec_swa, used_blocks)
 
 from vllm_kvguard.fixes import capacity  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 
 def make_config(*, mml: int, k: int = 0, lookahead: int | None = None, max_num_seqs: int = 256,
@@ -72,10 +73,10 @@ def test_per_request_blocks_match_the_allocator(mode, k, lookahead):
 
 def test_true_max_concurrency_is_what_the_allocator_admits():
     """Fill a real manager with requests at max_model_len: it admits exactly
-    floor(true concurrency); vLLM's own figure (null block, no spec) claims more."""
+    floor(true concurrency) = 3; vLLM's own figure counts the null block and says 4.00x."""
     mml, k = 64, 3
     specs = [spec_full(16), spec_mamba(mml, "none", k)]
-    num_blocks = 33
+    num_blocks = 32
     cfg = make_config(mml=mml, k=k, lookahead=0)
     cap = capacity.compute(cfg, make_kv_cache_config(specs, num_blocks))
     assert cap.per_request_spec == 4 + (1 + k)
@@ -86,9 +87,12 @@ def test_true_max_concurrency_is_what_the_allocator_admits():
         if allocate(manager, req, mml) is None:
             break
         admitted += 1
-    assert admitted == int(cap.true_concurrency) == 32 // 8
+    record_defect("warmup", "max-concurrency-counts-null-block",
+                  present=int(cap.vllm_concurrency) > admitted,
+                  detail=f"vLLM {cap.vllm_concurrency:.2f}x, allocator admits {admitted}")
+    assert admitted == int(cap.true_concurrency) == 31 // 8 == 3
     assert used_blocks(manager) == admitted * cap.per_request_spec
-    assert cap.vllm_concurrency is not None and cap.vllm_concurrency == pytest.approx(33 / 8)
+    assert cap.vllm_concurrency is not None and cap.vllm_concurrency == pytest.approx(32 / 8)
 
 
 def test_sliding_window_peak_is_bounded_by_window():

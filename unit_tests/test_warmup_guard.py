@@ -17,6 +17,7 @@ from test_estimate_parity import make_kv_cache_config, spec_full, spec_mamba  # 
 
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes.estimate import reserved_blocks  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 NEW_WARMUP = hasattr(W, "_reserved_block_count")      # 0.32+: the #51438 fix is in
 
@@ -125,7 +126,10 @@ def test_prefill_reserves_what_the_allocator_reserves():
 
     before = Worker()
     run_warmup(make_runner(specs, 200, k=3, max_model_len=256), before)
-    assert before.prefill_blocks(1) == (4 if NEW_WARMUP else 1)
+    given = before.prefill_blocks(1)
+    record_defect("warmup", "vllm#51438", present=given < want,
+                  detail=f"Mamba nsb=3 prefill request: warmup gives {given} of {want} blocks")
+    assert given == (4 if NEW_WARMUP else 1)
 
     patched()
     after = Worker()
@@ -143,6 +147,8 @@ def test_measured_overflow_case_stays_in_bounds(kvguard_log):
     specs = [spec_full(16), spec_mamba(16, "align", 7)]
     before = Worker()
     run_warmup(make_runner(specs, 11, k=7, max_model_len=32, max_num_seqs=1), before)
+    record_defect("warmup", "warmup-block-id-overflow", present=max(before.block_ids()) >= 11,
+                  detail=f"highest warmup block id {max(before.block_ids())} on an 11-block pool")
     assert max(before.block_ids()) >= 11
 
     patched()
@@ -201,6 +207,8 @@ def test_failing_step_without_patch_aborts_and_leaks():
     worker = Worker(fail_on=2)
     with pytest.raises(RuntimeError, match="injected"):
         run_warmup(runner, worker)
+    record_defect("warmup", "warmup-no-cleanup", present=bool(worker.registered),
+                  detail=f"{len(worker.registered)} dummy requests left after a failed step")
     assert worker.registered and runner.kv_connector.calls == [True]
 
 

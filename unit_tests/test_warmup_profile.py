@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 
 from vllm_kvguard import activation, report  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 VOCAB = 64
 
@@ -60,8 +61,11 @@ def no_device_sync(mocker):
 def test_vllm_profiles_one_draft_whatever_k():
     runner = make_runner(k=3)
     run(runner)
-    assert runner.rejection_sampler.calls
-    assert all(c["drafts"] == [1] * 5 for c in runner.rejection_sampler.calls)
+    calls = runner.rejection_sampler.calls
+    record_defect("warmup", "vllm#37521", present=all(c["drafts"] == [1] * 5 for c in calls),
+                  detail=f"k=3: rejection sampler profiled with {calls[0]['drafts'][0]} draft(s)")
+    assert calls
+    assert all(c["drafts"] == [1] * 5 for c in calls)
 
 
 def test_patched_profiles_k_drafts():
