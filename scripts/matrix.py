@@ -6,6 +6,7 @@
     python3 scripts/matrix.py --default          # the default pin only
     python3 scripts/matrix.py --unit-only
     python3 scripts/matrix.py -- -k allocator    # extra pytest arguments, on every pytest run
+    python3 scripts/matrix.py --table            # print the truth table of the last run again
 
 Per pin, in order: ensure its cached venv (``scripts/venvs.py``), run ``unit_tests/`` in full,
 run ``integration_tests/`` (all of it on ``suite=full`` pins, ``-m smoke`` on ``suite=smoke``
@@ -97,8 +98,7 @@ def run_pin(pin: pinned.Pin, out: Path, args) -> dict:
     env = {**os.environ,
            "KVGUARD_PIN": pin.name,
            "KVGUARD_FACTS_FILE": str(d / "facts.jsonl"),
-           "VLLM_CACHE_ROOT": str(d / "vllm-cache"),   # no cache shared across vLLM versions
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "VLLM_CACHE_ROOT": str(d / "vllm-cache")}   # no cache shared across vLLM versions
     for var in ("KVGUARD", "KVGUARD_PATCHES", "KVGUARD_FORCE", "KVGUARD_FAULTS"):
         env.pop(var, None)                  # tests choose their own flags
     py = info["python"]
@@ -160,6 +160,11 @@ def totals(out: Path, recs: list[dict]) -> dict[str, int]:
     return tot
 
 
+def print_table(python: str, out: Path) -> int:
+    return subprocess.call([python, "-m", "vllm_kvguard.truth_table", "--results", str(out)],
+                           cwd=REPO, stdin=subprocess.DEVNULL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     default=Path(os.environ.get("KVGUARD_RESULTS_DIR", REPO / "build" / "matrix")),
                     help="results folder (default: build/matrix, or $KVGUARD_RESULTS_DIR)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the venvs")
+    ap.add_argument("--table", action="store_true",
+                    help="only print the truth table of the last run's results")
     args = ap.parse_args(argv)
     args.pytest = extra
     try:
@@ -191,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     out = args.results.resolve()
+    if args.table:
+        ready = [p for p in [pinned.find_pin("default")] + pins if pinned.is_ready(p)]
+        if not ready:
+            print("matrix: no pin venv is built yet; run scripts/matrix.py first", file=sys.stderr)
+            return 2
+        return print_table(str(pinned.venv_dir(ready[0]) / "bin" / "python"), out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     recs = []
@@ -206,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                          if r.get("venv", {}).get("ok")), None)
     if table_python:
         print("\n==== truth table (python -m vllm_kvguard.truth_table)", flush=True)
-        subprocess.call([table_python, "-m", "vllm_kvguard.truth_table", "--results", str(out)],
-                        cwd=REPO, stdin=subprocess.DEVNULL)
+        print_table(table_python, out)
     ok = all(r["ok"] for r in recs)
     t = totals(out, recs)
     print(f"\nmatrix: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped",

@@ -230,3 +230,27 @@ def test_probe_reports_what_activation_did():
         expect = patch.supports(vllm_version()) and not out["missing"][patch.name]
         assert out["results"][patch.name].startswith("applied") == expect, patch.name
     assert activation.wrapped_targets() == []
+
+
+# ------------------------------------------------------------------------------ the runner
+matrix = _load(REPO / "scripts" / "matrix.py", "kvguard_scripts_matrix")
+
+
+@pytest.mark.parametrize("code,ok,note", [(0, True, ""), (5, True, "no tests selected"),
+                                          (1, False, "pytest exit 1")])
+def test_suite_exit_codes(code, ok, note, capsys):
+    res = matrix.run_suite("demo", [sys.executable, "-c", f"import sys; sys.exit({code})"],
+                           dict(os.environ))
+    assert (res["ok"], res["note"], res["rc"]) == (ok, note, code)
+
+
+def test_failed_venv_counts_as_a_failure_and_shows_in_timings(tmp_path):
+    recs = [{"pin": "0.27.1", "ok": False, "venv": {"ok": False, "error": "pip failed"}}]
+    assert matrix.totals(tmp_path, recs) == {"passed": 0, "failed": 1, "skipped": 0}
+    assert "FAILED" in matrix.timing_table(recs, 1.0).splitlines()[1]
+
+
+def test_smoke_pins_select_the_smoke_marker(tmp_path):
+    cmd = matrix.pytest_cmd("py", ["integration_tests"], tmp_path / "i.xml", "smoke", ["-x"])
+    assert cmd[:3] == ["py", "-m", "pytest"] and cmd[-3:] == ["-m", "smoke", "-x"]
+    assert f"--timeout={matrix.DEFAULT_TEST_TIMEOUT}" in cmd
