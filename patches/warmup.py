@@ -67,9 +67,12 @@ def warmup_kernels(call: HostCall):
 
 @hooked(NAME)
 def reserved_block_count(call: HostCall):
-    spec = call.arg(1, "kvcache_spec")
+    """vLLM's own warmup count (0.32+) answered by the same block model (DCP: vLLM passes
+    none here, so like vLLM we count at the spec's block size)."""
+    if "max_model_len" not in call.kwargs:
+        return call()
     r = hook().kvguard_reserved_blocks(
-        spec=spec, num_tokens=call.arg(0, "num_tokens"),
+        spec=call.arg(1, "kvcache_spec"), num_tokens=call.arg(0, "num_tokens"),
         num_lookahead_tokens=call.kwargs.get("num_lookahead_tokens", 0),
         max_model_len=call.kwargs["max_model_len"],
         num_encoder_tokens=call.kwargs.get("max_encoder_len", 0), dcp=1,

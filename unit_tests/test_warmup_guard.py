@@ -238,3 +238,24 @@ def test_failed_rollback_raises_the_warmup_error():
 
     with pytest.raises(RuntimeError, match="injected warmup failure"):
         run_warmup(runner, Broken())
+
+
+def test_unmodelled_spec_leaves_the_warmup_as_vllm_plans_it(kvguard_log):
+    from dataclasses import dataclass
+
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    @dataclass(frozen=True)
+    class CustomSpec(KVCacheSpec):
+        @property
+        def page_size_bytes(self) -> int:
+            return 64
+
+    specs = [spec_full(16), CustomSpec(block_size=16)]
+    before = Worker()
+    run_warmup(make_runner(specs, 200, k=2, max_model_len=256), before)
+    patched()
+    after = Worker()
+    run_warmup(make_runner(specs, 200, k=2, max_model_len=256), after)
+    assert after.block_ids() == before.block_ids()
+    assert any("no block model for KV spec(s) CustomSpec" in m for m in kvguard_log.lines())

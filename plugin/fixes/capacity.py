@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimate import lookahead_tokens, manager_block_size, reserved_blocks
+from vllm_kvguard.fixes.estimate import lookahead_tokens, manager_block_size, reserved
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 from vllm_kvguard.report import count
@@ -84,7 +84,7 @@ def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: i
     points.update((min(c + chunk, mml), c) for c in range(max(0, mml - chunk - bsz - 1), mml))
     best = 0
     for n, c in points:
-        r = reserved_blocks(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
+        r = reserved(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
                             num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
         if r is None:
             raise LookupError(type(spec).__name__)
@@ -152,7 +152,7 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
         # A short decoding sequence: attention at its smallest; Mamba at its worst step
         # (align holds 2 + nsb on the step that enters a new block).
         starts = range(1, min(mml, bsz + k + 2)) if is_mamba else (1,)
-        decode = max(reserved_blocks(spec, min(mml, c + 1 + k), num_lookahead_tokens=la,
+        decode = max(reserved(spec, min(mml, c + 1 + k), num_lookahead_tokens=la,
                                      max_model_len=mml, num_encoder_tokens=enc, dcp=dcp,
                                      num_computed_tokens=c).physical for c in starts)
         cap.groups.append(GroupCapacity(i, _describe(spec), bsz, plain, with_spec, decode,

@@ -129,9 +129,18 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
     return Reserved(table, table - skipped)
 
 
-def request_blocks(specs, num_tokens: int, **kwargs) -> list[Reserved | None]:
-    """:func:`reserved_blocks` for every group spec of a model (same keyword arguments)."""
-    return [reserved_blocks(s, num_tokens, **kwargs) for s in specs]
+def reserved(spec, num_tokens: int, *, num_lookahead_tokens: int = 0, max_model_len: int,
+             num_encoder_tokens: int = 0, dcp: int = 1,
+             num_computed_tokens: int = 0) -> Reserved | None:
+    """What callers use: the ``kvguard_reserved_blocks`` hook (a third-party impl may answer
+    for a custom spec first), or :func:`reserved_blocks` when no impl answers."""
+    from vllm_kvguard.manager import hook
+
+    kwargs = dict(num_lookahead_tokens=num_lookahead_tokens, max_model_len=max_model_len,
+                  num_encoder_tokens=num_encoder_tokens, dcp=dcp,
+                  num_computed_tokens=num_computed_tokens)
+    result = hook().kvguard_reserved_blocks(spec=spec, num_tokens=num_tokens, **kwargs)
+    return result if result is not None else reserved_blocks(spec, num_tokens, **kwargs)
 
 
 def lookahead_tokens(vllm_config) -> int:

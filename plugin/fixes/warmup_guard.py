@@ -30,14 +30,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks
+from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
-from vllm_kvguard.registry import KvguardOutcome
 from vllm_kvguard.report import count
 
 
-class NoRoom(KvguardOutcome, RuntimeError):
+class NoRoom(RuntimeError):
     """The warmup plan needs more blocks than the pool has (raised before sending)."""
 
 
@@ -89,14 +88,19 @@ class WarmupPlan:
     def tables(self, num_tokens: int, computed: int) -> list[int]:
         out = []
         for spec in self.specs:
-            r = reserved_blocks(spec, num_tokens, num_lookahead_tokens=self.lookahead,
+            r = reserved(spec, num_tokens, num_lookahead_tokens=self.lookahead,
                                 max_model_len=self.max_model_len,
                                 num_encoder_tokens=self.encoder_len, dcp=self.dcp,
                                 num_computed_tokens=computed)
             if r is None:
-                raise NoRoom(f"no block model for KV spec {type(spec).__name__}")
+                raise LookupError(f"no block model for KV spec {type(spec).__name__}")
             out.append(r.table)
         return out
+
+    def unmodelled(self) -> list[str]:
+        """Names of the group specs the block model does not know."""
+        return [type(s).__name__ for s in self.specs
+                if reserved(s, 1, max_model_len=self.max_model_len) is None]
 
 
 @dataclass
@@ -232,6 +236,12 @@ def kvguard_warmup(model_runner, call):
     for name in ("model_runner", "worker_execute_model", "worker_sample_tokens"):
         kwargs.pop(name, None)
     plan = WarmupPlan.of(model_runner)
+    unknown = plan.unmodelled()
+    if unknown:
+        once(logging.INFO, ("warmup-unmodelled", tuple(unknown)),
+             "vllm-kvguard: V2 warmup left as vLLM plans it: no block model for KV spec(s) %s "
+             "(a kvguard_reserved_blocks hookimpl can add one)", ", ".join(unknown))
+        return None
     cap, fitted = choose_cap(fn, model_runner, plan, rest, kwargs)
     if fitted is None:
         count("warmup", "skipped_no_room")
