@@ -20,8 +20,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def kvguard_allocate_slots(manager, request, call):
     """Run ``KVCacheManager.allocate_slots`` (``call()``) and return its result.
 
-    The rollback fix snapshots what the call may touch, runs it, and on a mid-way
-    exception restores every group and returns None ("no room now").
+    The rollback fix runs the call as a transaction (an undo log of what it changes) and
+    on a mid-way exception restores every group and the pool and returns None ("no room
+    now"). The allocator patch stops at the first implementation that ran ``call()``.
+    Hot path: while a single implementation is registered and its function has an
+    attribute ``kvguard_direct`` (``fn(manager, request, original, args, kwargs)``), the
+    patch calls that directly, without ``HostCall`` and pluggy (patches/allocator.py).
     """
 
 
@@ -37,7 +41,8 @@ def kvguard_inject_fault(pool, num_blocks):
 
 @hookspec
 def kvguard_after_schedule(scheduler, output):
-    """After every ``Scheduler.schedule()``: audit invariants, liveness guard."""
+    """After every ``Scheduler.schedule()``: audit invariants (``KVGUARD_AUDIT=1``) and the
+    liveness guard. An implementation must not raise (ours log once and skip)."""
 
 
 # --------------------------------------------------------------------------- estimation

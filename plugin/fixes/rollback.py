@@ -49,8 +49,8 @@ What cannot be undone (and why it is safe)
 
 Not covered (vLLM's behaviour, logged once): coordinators and managers outside the
 known set (HiSparse, out-of-tree ``KVCacheSpecRegistry`` managers), whose private state
-this module does not know. An error raised before anything changed (vLLM's own argument
-check) and ``BaseException`` s are re-raised untouched. If the undo cannot be completed
+this module does not know. ``allocate_slots``' own argument check (raised in its body
+before anything changed) and ``BaseException`` s are re-raised untouched. If the undo cannot be completed
 the original error is re-raised (never ``None`` over inconsistent state).
 """
 from __future__ import annotations
@@ -783,11 +783,26 @@ def failing_group(plan: Plan, error: BaseException):
     group = None
     tb = error.__traceback__
     while tb is not None:
-        gid = plan.gids.get(id(tb.tb_frame.f_locals.get("self")))
-        if gid is not None:
-            group = gid
+        local = tb.tb_frame.f_locals
+        for name in ("self", "manager"):           # a manager's method, or the
+            gid = plan.gids.get(id(local.get(name)))  # coordinator's loop over managers
+            if gid is not None:
+                group = gid
+                break
         tb = tb.tb_next
     return group
+
+
+def _raised_by_itself(error: BaseException, manager) -> bool:
+    """Whether ``allocate_slots`` raised in its own body (its argument check), not in
+    anything it called."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    return frame.f_code.co_name == "allocate_slots" and frame.f_locals.get("self") is manager
 
 
 def _recover(plan, log, lens, offl, free_before, manager, request, error):
@@ -801,8 +816,8 @@ def _recover(plan, log, lens, offl, free_before, manager, request, error):
              "(%s: %s); re-raising vLLM's error %s: %s", rid, type(exc).__name__, exc,
              type(error).__name__, error)
         raise error from None
-    if not changed:
-        raise error                   # raised before anything changed: vLLM's own check
+    if not changed and _raised_by_itself(error, manager):
+        raise error                   # allocate_slots' own argument check: vLLM's error
     cause = type(error).__name__
     group = failing_group(plan, error)
     report.count("rollback", cause)
