@@ -10,7 +10,7 @@ How it measures (see also :mod:`vllm_kvguard.abstats`):
 * ``--warmup`` unmeasured rounds on each, then ``--repeat`` paired samples; a sample is
   ``--rounds`` generate rounds of the same deterministic greedy workload on each engine,
   run one by one in ABBA order (A,B,B,A,...); its throughput = generated tokens of a round
-  / its median round time inside ``LLM.generate``;
+  / its fastest round inside ``LLM.generate`` (see :func:`abstats.throughput`);
 * B/A = median of the per-pair ratios, with min-max; greedy outputs are compared request
   by request (against a fault-free, plugin-off reference run when A died);
 * exit 1 if any check fails (B not completing every request, leaking blocks, differing
@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import math
-import statistics
 import os
 import subprocess
 import sys
@@ -60,7 +59,8 @@ SCENARIOS = {sc.name: sc for sc in (
     Scenario("alloc-faults", "allocator faults injected in EngineCore at a fixed rate "
              "(A: injector only, B: injector + fixes)", engine=_POOL, faults=True),
     Scenario("kv-pressure", "a KV pool far smaller than the load: preemption and recompute",
-             engine={"block_size": 32, "max_model_len": 128}),
+             engine={"block_size": 32, "max_model_len": 128,
+                     "disable_log_stats": False}),     # vLLM counts the preemptions
     Scenario("hybrid-spec", "NemotronH-style hybrid (Mamba2 + attention) with ngram k=3 "
              "(prefix caching off: vLLM's CPU limit)", model="nemotron_h",
              engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3}),
@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3,
                    help="paired A/B throughput samples per scenario (default 3)")
     p.add_argument("--rounds", default="auto",
-                   help="generate rounds per sample, or 'auto': enough for --sample-seconds "
-                        "(default auto)")
+                   help="generate rounds per sample, or 'auto': enough for --sample-seconds, "
+                        "at least 3 (default auto)")
     p.add_argument("--sample-seconds", type=float, default=1.0,
                    help="target duration of one sample with --rounds auto (default 1.0)")
     p.add_argument("--warmup", type=int, default=2,
@@ -261,7 +261,7 @@ def scenario_spec(sc: Scenario, settings: dict) -> dict:
     if sc.name == "kv-pressure" and "num_gpu_blocks_override" not in ov:
         # room for one max_model_len request plus a little: the load must preempt
         engine["num_gpu_blocks_override"] = (
-            math.ceil(engine.get("max_model_len", 512) / engine.get("block_size", 32)) + 4)
+            math.ceil(engine.get("max_model_len", 512) / engine.get("block_size", 32)) + 8)
     return {"model": settings["model"] or sc.model, "engine": engine,
             "gpu_engine": {k: v for k, v in sc.gpu_engine.items() if k not in ov},
             **sc.workload, **settings["workload"], "multiprocess": settings["multiprocess"]}
@@ -373,12 +373,16 @@ def side_summary(side: Side, final: dict) -> dict:
         "outputs_consistent": final.get("outputs_consistent"),
         "counters": kv.get("counters") or {}, "patches": kv.get("results"),
         "faults_injected": final.get("faults_injected", 0), "platform": final.get("platform"),
+        "preemptions": final.get("preemptions"), "coverage": kv.get("coverage"),
         "stderr_tail": None if ok else final.get("stderr"),
     }
 
 
-def _median_s(times: list[float] | None) -> str:
-    return f"{statistics.median(times):.3f} s/round" if times else "no sample"
+MIN_AUTO_ROUNDS = 3     # a sample's fastest round needs a few rounds to choose from
+
+
+def _best_s(times: list[float] | None) -> str:
+    return f"fastest round {min(times):.3f} s" if times else "no sample"
 
 
 def calibrate(settings: dict, sides: list[Side]) -> int:
@@ -386,8 +390,9 @@ def calibrate(settings: dict, sides: list[Side]) -> int:
         return settings["rounds"]
     last = [s.warmup_s[-1] for s in sides if s.warmup_s]
     if not last:
-        return 1
-    return max(1, min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
+        return MIN_AUTO_ROUNDS
+    return max(MIN_AUTO_ROUNDS,
+               min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
 
 
 def run_scenario(sc: Scenario, settings: dict, prog: Progress,
@@ -422,7 +427,7 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
                     else:
                         side.pairs[i] += times
             prog.say(f"{sc.name}: sample {i + 1}/{settings['repeat']} ({rounds} rounds each): "
-                     + ", ".join(f"{s.key} {_median_s(s.pairs[i])}" for s in sides),
+                     + ", ".join(f"{s.key} {_best_s(s.pairs[i])}" for s in sides),
                      advance=2)
         finals = {s.key: s.proc.finish(timeout) for s in sides}
         prog.say(f"{sc.name}: engines stopped", advance=2)

@@ -26,10 +26,21 @@ def _num(v: float | None, fmt: str = "{:.1f}") -> str:
 
 
 def coverage_cell(side: dict) -> str:
+    """The CUDA-graph audit of the B engine (shapes covered), else its cudagraph counters."""
+    cov = side.get("coverage")
+    if cov and cov.get("total"):
+        return (f"{cov['covered']}/{cov['total']} shapes" + ("" if cov.get("ok") else " GAPS"))
     found = abstats.counters_matching(side.get("counters"), "cudagraph")
     if found:
         return ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in found.items())
     return "n/a on CPU" if side.get("platform") == "cpu" else "no counters"
+
+
+def rollbacks_cell(side: dict) -> str:
+    counters = side.get("counters") or {}
+    done = sum((counters.get("rollback") or {}).values())
+    failed = sum((counters.get("rollback_failed") or {}).values())
+    return str(done) + (f" ({failed} failed)" if failed else "")
 
 
 def side_row(sc: dict, key: str) -> list[str]:
@@ -62,8 +73,7 @@ def side_row(sc: dict, key: str) -> list[str]:
             " MISMATCH" if par["status"] == FAIL else "")
     plugin_on = bool(side.get("patches"))
     counters = side.get("counters")
-    return row + [ratio, par_cell,
-                  str(abstats.counter_total(counters, "rollback")) if plugin_on else "-",
+    return row + [ratio, par_cell, rollbacks_cell(side) if plugin_on else "-",
                   str(abstats.counter_total(counters, "fallback")) if plugin_on else "-",
                   coverage_cell(side)]
 
@@ -89,8 +99,11 @@ def format_table(report: dict) -> str:
                     f"{s.get('tolerance')}")
     lines.append("")
     for sc in report["scenarios"]:
+        pre = [f"{k} {sc['sides'][k]['preemptions']}" for k in "AB"
+               if sc["sides"][k].get("preemptions") is not None]
+        extra = f", preemptions {' / '.join(pre)}" if pre else ""
         lines.append(f"{sc['name']}: {sc['description']} "
-                     f"[{sc.get('rounds_per_sample', '?')} rounds per sample]")
+                     f"[{sc.get('rounds_per_sample', '?')} rounds per sample{extra}]")
         for c in sc["checks"]:
             if c["status"] != abstats.PASS or "NOISY" in c["detail"]:
                 lines.append(f"  [{c['status']}] {c['name']}: {c['detail']}")

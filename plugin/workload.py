@@ -182,6 +182,8 @@ class Session:
                 state = _pool_state(self.llm)
             except Exception as exc:   # a dead engine may not answer
                 state = {"pool_state_error": f"{type(exc).__name__}: {exc}"}
+            if not out["engine_died"]:
+                state["preemptions"] = _preemptions(self.llm)
             if out["engine_died"]:      # requests died holding blocks: not comparable
                 state = {f"died_{k}": v for k, v in state.items()}
             out.update(state)
@@ -212,7 +214,25 @@ def _finish(out: dict) -> dict:
         out["faults_injected"] = sched.fired if sched is not None else 0
     except Exception:
         pass
+    with contextlib.suppress(Exception):    # the CUDA-graph audit, where the runner ran here
+        from vllm_kvguard.fixes import coverage
+
+        cov = coverage.last_audit()
+        if cov is not None:
+            out["kvguard"]["coverage"] = {
+                "ok": cov.ok, "mode": cov.mode, "graphs": cov.graphs,
+                "covered": sum(r.covered for r in cov.rows),
+                "total": sum(r.total for r in cov.rows), "table": coverage.format_table(cov)}
     return out
+
+
+def _preemptions(llm) -> int | None:
+    """vLLM's own preemption counter (needs ``disable_log_stats=False``), or None."""
+    try:
+        found = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
+    except Exception:
+        return None
+    return int(sum(found)) if found else None
 
 
 def _emit(tag: str, payload: dict) -> None:

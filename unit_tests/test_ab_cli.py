@@ -111,8 +111,10 @@ def test_calibrate_rounds_to_the_sample_duration():
     a.warmup_s, b.warmup_s = [0.5, 0.1], [0.4, 0.2]
     assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 10
     assert ab.calibrate({"rounds": 3, "sample_seconds": 1.0}, [a, b]) == 3
+    a.warmup_s = [2.0]                           # slow rounds: still a few per sample
+    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a]) == ab.MIN_AUTO_ROUNDS
     b.warmup_s, a.warmup_s = [], []
-    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 1
+    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == ab.MIN_AUTO_ROUNDS
 
 
 @pytest.fixture

@@ -56,6 +56,21 @@ def test_coverage_cell():
     assert abreport.coverage_cell(side(platform="cuda")) == "no counters"
     gpu = side(platform="cuda", counters={"cudagraph": {"graph": 90, "eager": 10}})
     assert abreport.coverage_cell(gpu) == "eager=10, graph=90"
+    audited = {**gpu, "coverage": {"ok": False, "covered": 37, "total": 64}}
+    assert abreport.coverage_cell(audited) == "37/64 shapes GAPS"
+
+
+def test_rollbacks_cell_counts_rollbacks_and_failed_ones_apart():
+    assert abreport.rollbacks_cell(side(counters={"rollback": {"a": 2, "b": 1}})) == "3"
+    failed = side(counters={"rollback": {"a": 2}, "rollback_failed": {"ValueError": 1},
+                            "warmup": {"rolled_back": 5}})
+    assert abreport.rollbacks_cell(failed) == "2 (1 failed)"
+
+
+def test_scenario_line_shows_preemptions():
+    sc = scenario("kv-pressure", a={**side(), "preemptions": 6},
+                  b={**side("on"), "preemptions": 7})
+    assert "preemptions A 6 / B 7" in abreport.format_table(report(sc))
 
 
 def test_json_round_trip(tmp_path):
