@@ -173,32 +173,35 @@ def test_full_attention(t, dcp):
     run_parity(spec_full, t, dcp=dcp)
 
 
+DCP = st.sampled_from([1, 1, 2])   # DCP > 1 shards some specs' blocks, per version
+
+
 @SETTINGS
-@given(trajectories(), st.integers(1, 40))
-def test_sliding_window(t, window):
+@given(trajectories(), st.integers(1, 40), DCP)
+def test_sliding_window(t, window, dcp):
     spec_class("SlidingWindowSpec")
-    run_parity(lambda bs: spec_swa(bs, window), t)
+    run_parity(lambda bs: spec_swa(bs, window), t, dcp=dcp)
 
 
 @SETTINGS
-@given(trajectories(), st.integers(1, 40))
-def test_chunked_local(t, chunk):
+@given(trajectories(), st.integers(1, 40), DCP)
+def test_chunked_local(t, chunk, dcp):
     spec_class("ChunkedLocalAttentionSpec")
-    run_parity(lambda bs: spec_chunked(bs, chunk), t)
+    run_parity(lambda bs: spec_chunked(bs, chunk), t, dcp=dcp)
 
 
 @SETTINGS
-@given(trajectories(), st.integers(0, 4), st.sampled_from(["none", "all"]))
-def test_mamba_none_and_all(t, nsb, mode):
+@given(trajectories(), st.integers(0, 4), st.sampled_from(["none", "all"]), DCP)
+def test_mamba_none_and_all(t, nsb, mode, dcp):
     spec_class("MambaSpec")
-    run_parity(lambda bs: spec_mamba(bs, mode, nsb), t)
+    run_parity(lambda bs: spec_mamba(bs, mode, nsb), t, dcp=dcp)
 
 
 @SETTINGS
-@given(trajectories(align=True), st.integers(0, 4))
-def test_mamba_align(t, nsb):
+@given(trajectories(align=True), st.integers(0, 4), DCP)
+def test_mamba_align(t, nsb, dcp):
     spec_class("MambaSpec")
-    run_parity(lambda bs: spec_mamba(bs, "align", nsb), t)
+    run_parity(lambda bs: spec_mamba(bs, "align", nsb), t, dcp=dcp)
 
 
 @SETTINGS

@@ -69,9 +69,22 @@ def _is(spec, name: str) -> bool:
 
 def manager_block_size(spec, dcp: int = 1) -> int:
     """The allocation granularity of the group's manager: ``block_size`` x DCP where the
-    spec is DCP-sharded (0.32+: ``spec.dcp_sharded``; 0.27.1 shards every spec)."""
-    sharded = getattr(spec, "dcp_sharded", True)
-    return spec.block_size * (dcp if sharded and dcp > 1 else 1)
+    spec is DCP-sharded. 0.32+: ``spec.dcp_sharded``; 0.29: full attention only
+    (``kv_cache_utils.dcp_world_size_for_kv_cache_spec``); 0.27.1: every attention spec."""
+    if dcp <= 1 or _is(spec, "MambaSpec"):     # Mamba state is replicated, never sharded
+        return spec.block_size
+    if hasattr(spec, "dcp_sharded"):
+        return spec.block_size * (dcp if spec.dcp_sharded else 1)
+    rule = _dcp_rule()
+    return spec.block_size * (rule(spec, dcp) if rule is not None else dcp)
+
+
+def _dcp_rule():
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except Exception:
+        return None
+    return getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
 
 
 def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
@@ -107,9 +120,8 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
             # Lookahead-free, uncapped range; interior entries are null, the running
             # state plus nsb speculative blocks are real, and a step that enters a new
             # block keeps the previous state block until the next step frees it.
-            table = _cdiv(num_tokens, spec.block_size) + nsb
-            crossed = computed > 0 and _cdiv(num_tokens, spec.block_size) > _cdiv(
-                computed, spec.block_size)
+            table = _cdiv(num_tokens, bsz) + nsb
+            crossed = computed > 0 and _cdiv(num_tokens, bsz) > _cdiv(computed, bsz)
             physical = 1 + nsb + int(crossed)
             return Reserved(table, min(table, physical))
         need = min(num_tokens + num_lookahead_tokens, max_model_len) + spec.block_size * nsb
