@@ -374,6 +374,8 @@ def side_summary(side: Side, final: dict) -> dict:
         "counters": kv.get("counters") or {}, "patches": kv.get("results"),
         "faults_injected": final.get("faults_injected", 0), "platform": final.get("platform"),
         "preemptions": final.get("preemptions"), "coverage": kv.get("coverage"),
+        # with --multiprocess the fixes run in EngineCore: their counters are not seen here
+        "engine_core_separate": bool(side.proc and side.proc.spec.get("multiprocess")),
         "stderr_tail": None if ok else final.get("stderr"),
     }
 

@@ -21,15 +21,23 @@ COLUMNS = ("scenario", "side", "plugin", "startup s", "done/failed/aborted", "di
            "rollbacks", "fallbacks", "cudagraph")
 
 
+MP_NA = "n/a (mp)"   # --multiprocess: the fixes' counters stay in the EngineCore process
+
+
 def _num(v: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
 def coverage_cell(side: dict) -> str:
     """The CUDA-graph audit of the B engine (shapes covered), else its cudagraph counters."""
+    if side.get("engine_core_separate"):
+        return MP_NA
     cov = side.get("coverage")
     if cov and cov.get("total"):
         return (f"{cov['covered']}/{cov['total']} shapes" + ("" if cov.get("ok") else " GAPS"))
+    if cov:
+        return f"n/a on CPU (mode {cov.get('mode')})" if side.get("platform") == "cpu" else (
+            f"none intended (mode {cov.get('mode')})")
     found = abstats.counters_matching(side.get("counters"), "cudagraph")
     if found:
         return ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in found.items())
@@ -37,6 +45,8 @@ def coverage_cell(side: dict) -> str:
 
 
 def rollbacks_cell(side: dict) -> str:
+    if side.get("engine_core_separate"):
+        return MP_NA
     counters = side.get("counters") or {}
     done = sum((counters.get("rollback") or {}).values())
     failed = sum((counters.get("rollback_failed") or {}).values())
@@ -59,7 +69,8 @@ def side_row(sc: dict, key: str) -> list[str]:
            f"{t.get('completed', 0)}/{t.get('failed', 0)}/{t.get('aborted', 0)}"
            + (f" of {t['submitted']}" if t.get("submitted") else ""),
            died, "-" if lk is None else str(lk),
-           str(side["faults_injected"]) if side.get("faults_injected") else "-", tok]
+           MP_NA if side.get("engine_core_separate") and side["env"].get("KVGUARD_FAULTS")
+           else str(side["faults_injected"]) if side.get("faults_injected") else "-", tok]
     if key == "A":
         return row + [""] * 5
     th, par = sc["throughput"], sc["parity"]
@@ -71,11 +82,12 @@ def side_row(sc: dict, key: str) -> list[str]:
         par_cell = f"{par['identical']}/{par['compared']}" + (
             " =ref" if par["against"] == "reference" else "") + (
             " MISMATCH" if par["status"] == FAIL else "")
-    plugin_on = bool(side.get("patches"))
+    plugin_on = bool(side.get("patches")) or side.get("engine_core_separate")
     counters = side.get("counters")
+    fallbacks = (MP_NA if side.get("engine_core_separate")
+                 else str(abstats.counter_total(counters, "fallback")))
     return row + [ratio, par_cell, rollbacks_cell(side) if plugin_on else "-",
-                  str(abstats.counter_total(counters, "fallback")) if plugin_on else "-",
-                  coverage_cell(side)]
+                  fallbacks if plugin_on else "-", coverage_cell(side)]
 
 
 def _grid(rows: list[list[str]]) -> list[str]:
@@ -105,7 +117,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{sc['name']}: {sc['description']} "
                      f"[{sc.get('rounds_per_sample', '?')} rounds per sample{extra}]")
         for c in sc["checks"]:
-            if c["status"] != abstats.PASS or "NOISY" in c["detail"]:
+            if c["status"] != abstats.PASS or c.get("warn"):
                 lines.append(f"  [{c['status']}] {c['name']}: {c['detail']}")
     mb = report.get("microbench") or {}
     for name, res in mb.items():

@@ -128,8 +128,8 @@ def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dic
     greedy outputs, stays as deterministic as A, and keeps A's throughput within tolerance."""
     out = []
 
-    def add(name: str, status: str, detail: str) -> None:
-        out.append({"name": name, "status": status, "detail": detail})
+    def add(name: str, status: str, detail: str, warn: bool = False) -> None:
+        out.append({"name": name, "status": status, "detail": detail, "warn": warn})
 
     t = b.get("totals") or {}
     state = "hung" if b.get("hung") else "died" if b.get("engine_died") else "alive"
@@ -160,11 +160,13 @@ def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dic
     else:
         note = (f"; NOISY: the pairs spread {thr['ratio_spread_pct']:.0f}%, more than twice "
                 f"the {100 * abs(1 - tolerance):.0f}% band (a busy machine?); re-run on a "
-                f"quiet machine or with a larger --repeat" if noisy(thr, tolerance) else "")
+                f"quiet machine or with a larger --repeat" if noisy(thr, tolerance) else
+                f"; only {len(thr['ratios'])} pair(s): too few to judge the noise"
+                if len(thr["ratios"]) < 3 else "")
         add("throughput ratio", PASS if med >= tolerance else FAIL,
             f"median B/A {med:.3f} over {len(thr['ratios'])} pairs "
             f"(min {thr['ratio_min']:.3f}, max {thr['ratio_max']:.3f}); tolerance {tolerance}"
-            + note)
+            + note, warn=bool(note))
     return out
 
 

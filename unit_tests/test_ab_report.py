@@ -60,6 +60,19 @@ def test_coverage_cell():
     assert abreport.coverage_cell(audited) == "37/64 shapes GAPS"
 
 
+def test_cpu_audit_without_graphs_and_multiprocess_counters_are_not_shown_as_zero():
+    cpu = side(counters={}, platform="cpu")
+    cpu["coverage"] = {"ok": True, "mode": "NONE", "covered": 0, "total": 0}
+    assert abreport.coverage_cell(cpu) == "n/a on CPU (mode NONE)"
+    mp = {**side("on + faults", counters={}), "engine_core_separate": True,
+          "env": {"KVGUARD": "1", "KVGUARD_FAULTS": "every=7"}}
+    assert abreport.rollbacks_cell(mp) == abreport.coverage_cell(mp) == abreport.MP_NA
+    sc = scenario("alloc-faults", b=mp)
+    b_row = abreport.side_row(sc, "B")
+    assert b_row[abreport.COLUMNS.index("faults")] == abreport.MP_NA
+    assert b_row[abreport.COLUMNS.index("fallbacks")] == abreport.MP_NA
+
+
 def test_rollbacks_cell_counts_rollbacks_and_failed_ones_apart():
     assert abreport.rollbacks_cell(side(counters={"rollback": {"a": 2, "b": 1}})) == "3"
     failed = side(counters={"rollback": {"a": 2}, "rollback_failed": {"ValueError": 1},

@@ -116,6 +116,17 @@ def test_throughput_below_tolerance_fails_and_at_tolerance_passes():
     assert _status(ok, "throughput ratio") == PASS
 
 
+def test_throughput_note_on_noise_and_on_too_few_pairs():
+    loud = _checks(side(tok_s=(100.0,) * 3), side("on", tok_s=(80.0, 100.0, 120.0)))
+    check = next(c for c in loud if c["name"] == "throughput ratio")
+    assert check["warn"] and "NOISY" in check["detail"]
+    one = _checks(side(tok_s=(100.0,)), side("on", tok_s=(100.0,)))
+    check = next(c for c in one if c["name"] == "throughput ratio")
+    assert check["warn"] and "too few" in check["detail"]
+    quiet = _checks(side(tok_s=(100.0,) * 3), side("on", tok_s=(100.0, 101.0, 99.0)))
+    assert not next(c for c in quiet if c["name"] == "throughput ratio")["warn"]
+
+
 def test_b_less_deterministic_than_a_fails():
     checks = _checks(side(), side("on", consistent=False))
     assert _status(checks, "B as deterministic as A across rounds") == FAIL
