@@ -4,9 +4,10 @@ a JSON file and a PNG chart. ``python -m vllm_kvguard.ab --help`` lists the opti
 
 How it measures (see also :mod:`vllm_kvguard.abstats`):
 
-* per scenario, engine A starts, then engine B (one at a time, so neither startup competes
-  with the other); both stay alive, each in its own ``python -m vllm_kvguard.workload
-  --serve`` process, and idle while the other one works;
+* per scenario, A and B each get their own ``python -m vllm_kvguard.workload --serve``
+  process; both import vLLM at once (the plugin is not active yet), then engine A is built,
+  then engine B (one at a time: "startup s" is ``LLM(...)`` alone, neither competing with
+  the other); both stay alive and idle while the other one works;
 * ``--warmup`` unmeasured rounds on each, then ``--repeat`` paired samples; a sample is
   ``--rounds`` generate rounds of the same deterministic greedy workload on each engine,
   run one by one in ABBA order (A,B,B,A,...); its throughput = generated tokens of a round
@@ -358,7 +359,8 @@ def side_summary(side: Side, final: dict) -> dict:
     samples = [side.pairs.get(i) for i in range(len(side.pairs))]
     return {
         "label": side.label, "env": side.env,
-        "startup_s": final.get("startup_s", side.ready.get("startup_s")),
+        "startup_s": final.get("engine_s", side.ready.get("engine_s")),   # LLM(...) only
+        "import_s": final.get("import_s", side.ready.get("import_s")),
         "startup_failed": not side.ready.get("ok"),
         "engine_died": died and not hung, "hung": hung,
         "error": final.get("error") or side.error or side.ready.get("error"),
@@ -404,12 +406,16 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
     sides = [Side("A", label_a, env_a), Side("B", label_b, env_b)]
     timeout = settings["timeout"]
     with contextlib.ExitStack() as stack:
+        prog.say(f"{sc.name}: importing vLLM in A and B")
+        for side in sides:                  # imports overlap; the engines start one by one
+            side.proc = stack.enter_context(WorkloadProcess(spec, side.env))
+        for side in sides:
+            side.proc.imported(timeout)
         for side in sides:
             prog.say(f"{sc.name}: starting engine {side.key} (plugin {side.label})")
-            side.proc = stack.enter_context(WorkloadProcess(spec, side.env))
             side.ready = side.proc.ready(timeout)
             prog.say(f"{sc.name}: engine {side.key} "
-                     + (f"up in {side.ready['startup_s']:.1f} s" if side.ready.get("ok")
+                     + (f"up in {side.ready['engine_s']:.1f} s" if side.ready.get("ok")
                         else f"failed to start: {side.ready.get('error')}"), advance=1)
         if settings["warmup"] or settings["rounds"] == "auto":
             for side in sides:

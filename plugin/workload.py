@@ -12,7 +12,10 @@ timeout. The engine runs in-process inside that interpreter unless ``multiproces
 ``python -m vllm_kvguard.workload --serve SPEC`` keeps the engine and takes commands on
 stdin, one a line (the A/B tool interleaves the rounds of two such engines):
 
-* after startup it prints ``KVGUARD_WORKLOAD_READY {"ok", "startup_s", "error"}``;
+* once vLLM is imported it prints ``KVGUARD_WORKLOAD_IMPORTED {"ok", "import_s", "error"}``
+  (several children can import at once; the plugin activates only when the engine is built);
+* ``start`` builds the engine and prints ``KVGUARD_WORKLOAD_READY {"ok", "startup_s",
+  "engine_s", "import_s", "error"}`` (``engine_s``: ``LLM(...)`` alone);
 * ``round N`` runs N generate rounds and prints ``KVGUARD_WORKLOAD_ROUND {"ok", "round_s",
   "engine_died", "error"}`` (a dead engine runs nothing and answers ``ok: false``);
 * ``finish`` prints ``KVGUARD_WORKLOAD_RESULT`` with the same dict :func:`run` returns, then
@@ -35,6 +38,7 @@ import traceback
 from typing import Any
 
 RESULT_TAG = "KVGUARD_WORKLOAD_RESULT "
+IMPORTED_TAG = "KVGUARD_WORKLOAD_IMPORTED "
 READY_TAG = "KVGUARD_WORKLOAD_READY "
 ROUND_TAG = "KVGUARD_WORKLOAD_ROUND "
 
@@ -111,7 +115,28 @@ class Session:
     def alive(self) -> bool:
         return self.llm is not None and not self.out["engine_died"]
 
+    def import_vllm(self) -> bool:
+        """Import vLLM (the slow, plugin-independent part of a start): ``import_s``."""
+        if "import_s" in self.out:
+            return self.out["error"] is None
+        t0 = time.perf_counter()
+        try:
+            import vllm  # noqa: F401
+            from vllm.platforms import current_platform
+
+            self.out["platform"] = current_platform.device_type or "unknown"
+        except Exception as exc:
+            self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
+                            startup_failed=True)
+            return False
+        finally:
+            self.out["import_s"] = time.perf_counter() - t0
+        return True
+
     def start(self) -> bool:
+        """Build the engine: ``engine_s`` (``LLM(...)``), ``startup_s`` (import + engine)."""
+        if not self.import_vllm():
+            return False
         t0 = time.perf_counter()
         try:
             from vllm import LLM, SamplingParams
@@ -119,7 +144,6 @@ class Session:
 
             from vllm_kvguard.tiny_models import MODELS, engine_kwargs, write_model
 
-            self.out["platform"] = current_platform.device_type or "unknown"
             engine = dict(self.spec["engine"])
             if current_platform.is_cuda_alike():
                 engine.update(self.spec["gpu_engine"])
@@ -130,7 +154,8 @@ class Session:
             self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
                             startup_failed=True)
             return False
-        self.out["startup_s"] = time.perf_counter() - t0
+        self.out["engine_s"] = time.perf_counter() - t0
+        self.out["startup_s"] = self.out["import_s"] + self.out["engine_s"]
         self.params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False,
                                      max_tokens=self.spec["max_tokens"])
         self.prompts = [{"prompt_token_ids": p} for p in make_prompts(self.spec)]
@@ -245,12 +270,16 @@ def serve(spec: dict, commands=None) -> int:
     """The ``--serve`` loop (see the module docstring); ``commands`` defaults to stdin."""
     commands = sys.stdin if commands is None else commands
     session = Session(spec)
-    ok = session.start()
-    _emit(READY_TAG, {"ok": ok, "startup_s": session.out.get("startup_s"),
-                      "error": session.out["error"]})
+    ok = session.import_vllm()
+    _emit(IMPORTED_TAG, {"ok": ok, "import_s": session.out.get("import_s"),
+                         "error": session.out["error"]})
     for line in commands:
         cmd, _, arg = line.strip().partition(" ")
-        if cmd == "round":
+        if cmd == "start":
+            ok = session.start()
+            _emit(READY_TAG, {"ok": ok, **{k: session.out.get(k) for k in (
+                "startup_s", "engine_s", "import_s", "error")}})
+        elif cmd == "round":
             times, n0 = [], len(session.round_cpu_s)
             for _ in range(int(arg or 1)):
                 t = session.generate()
@@ -316,6 +345,7 @@ class WorkloadProcess:
 
     def __init__(self, spec: dict, env: dict[str, str] | None = None):
         self.spec = spec
+        self._imported: dict | None = None
         self.hung = False
         self.error: str | None = None
         self._lines: queue.Queue = queue.Queue()
@@ -335,7 +365,7 @@ class WorkloadProcess:
             self._lines.put(None)                       # EOF: the child is gone
 
     def _stdout_line(self, line: str) -> None:
-        for tag in (READY_TAG, ROUND_TAG, RESULT_TAG):
+        for tag in (IMPORTED_TAG, READY_TAG, ROUND_TAG, RESULT_TAG):
             if line.startswith(tag):
                 self._lines.put((tag, json.loads(line[len(tag):])))
                 return
@@ -374,10 +404,19 @@ class WorkloadProcess:
         except (BrokenPipeError, OSError, ValueError):
             return False
 
+    def imported(self, timeout: float = 600.0) -> dict:
+        """Wait until the child imported vLLM: ``{"ok", "import_s", "error"}``."""
+        if self._imported is None:
+            msg = self._expect(IMPORTED_TAG, timeout)
+            self._imported = msg if msg is not None else {"ok": False, "error": self.error}
+        return self._imported
+
     def ready(self, timeout: float = 600.0) -> dict:
-        """Wait for the engine: ``{"ok", "startup_s", "error"}``."""
-        msg = self._expect(READY_TAG, timeout)
-        return msg if msg is not None else {"ok": False, "error": self.error}
+        """Build the engine and wait for it: ``{"ok", "startup_s", "engine_s", "error"}``."""
+        if not self.imported(timeout).get("ok") and self.error:
+            return {"ok": False, "error": self.error}
+        msg = self._send("start") and self._expect(READY_TAG, timeout)
+        return msg if msg else {"ok": False, "error": self.error}
 
     def rounds(self, n: int, timeout: float = 300.0) -> dict:
         """Run ``n`` generate rounds: ``{"ok", "round_s", "engine_died", "error"}``."""
