@@ -7,7 +7,8 @@ Targets (each declares its own range below; all optional except the scheduler's)
         The V2 warmup reserves what the allocator reserves (0.27.1 ignores lookahead and
         Mamba speculative blocks outside align mode: vllm#51438), never hands out a block
         id >= the pool's block count (all versions: the one-request floor), and a failing
-        step is rolled back so startup continues (skip-on-failure).
+        step is rolled back so startup continues (skip-on-failure). vllm#51438 (re-land of
+        vllm#50531) fixed the count in 0.32; the bounds and the cleanup are unfixed upstream.
         Remove when: vLLM's warmup checks ``next_block_id <= num_blocks`` and cleans up in
         ``try/finally`` (and 0.27.1 leaves the supported range).
     ``vllm.v1.worker.gpu.warmup._reserved_block_count`` (0.32+)
@@ -22,7 +23,8 @@ Targets (each declares its own range below; all optional except the scheduler's)
         -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.capacity`: one
         spec-aware table per KV-cache group (blocks per request with and without
         speculation, true maximum concurrency beside vLLM's figure, Mamba FULL-decode
-        feasibility; vllm#46892 family of Mamba under-counts).
+        feasibility). Upstream: none filed; vLLM's check and "Maximum concurrency" line are
+        described in vllm-internals.md §B.4/§B.5.
         Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
         count speculative blocks, the null block and attention groups.
 Why
@@ -122,7 +124,7 @@ PATCH = Patch(
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", scheduler_init),
     ],
     vllm_versions=">=0.27.1,<0.34",
-    upstream=("vllm#51438", "vllm#37521", "vllm#46892"),
+    upstream=("vllm#51438", "vllm#50531", "vllm#37521"),
     remove_when="vLLM's V2 warmup bounds its block ids and cleans up on failure, "
                 "MRV1 profiles k drafts (vllm#37521), and the startup concurrency / Mamba "
                 "FULL-decode checks count speculative blocks",

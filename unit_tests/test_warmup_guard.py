@@ -259,3 +259,14 @@ def test_unmodelled_spec_leaves_the_warmup_as_vllm_plans_it(kvguard_log):
     run_warmup(make_runner(specs, 200, k=2, max_model_len=256), after)
     assert after.block_ids() == before.block_ids()
     assert any("no block model for KV spec(s) CustomSpec" in m for m in kvguard_log.lines())
+
+
+def test_patch_declares_range_upstream_and_removal():
+    from vllm_kvguard.patches import warmup as pw
+
+    p = pw.PATCH
+    assert p.missing_targets() == []
+    assert hasattr(W, "_warmup_kernels") or hasattr(W, "warmup_kernels")
+    assert {"vllm#51438", "vllm#37521"} <= set(p.upstream)
+    assert p.vllm_versions and p.remove_when
+    assert pw.__doc__.count("Remove when") == 4          # one per target group
