@@ -240,6 +240,8 @@ def test_v2_reasons(fdo_v2, kvguard_log):
 
 def test_v2_graphs_released(fdo_v2):
     m = armed_v2(fdo_v2)
+    if not hasattr(m, "release_graphs"):
+        pytest.skip("this vLLM's CudaGraphManager never releases its graphs (0.32+ does)")
     m.release_graphs()
     assert v2(m, 10, 40, 4, 4) == "NONE"
     assert counts() == {"graphs_released": 1}

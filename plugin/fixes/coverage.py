@@ -419,8 +419,19 @@ def vllm_sizes(vllm_config, max_size: int | None, sizes: list[int] | None, *, v2
     type(shadow)._set_cudagraph_sizes(shadow)
     q = 1 + _num_spec(vllm_config)
     if not v2 and cc.cudagraph_mode.decode_mode() == _modes().FULL and q > 1:
-        cc.adjust_cudagraph_sizes_for_spec_decode(q)
+        _adjust_for_spec_decode(cc, q, vllm_config.parallel_config.tensor_parallel_size)
     return sorted(cc.cudagraph_capture_sizes), int(cc.max_cudagraph_capture_size)
+
+
+def _adjust_for_spec_decode(cc, q: int, tp: int) -> None:
+    """``adjust_cudagraph_sizes_for_spec_decode`` (0.27-0.29 also take the TP size)."""
+    import inspect
+
+    fn = cc.adjust_cudagraph_sizes_for_spec_decode
+    if "tensor_parallel_size" in inspect.signature(fn).parameters:
+        fn(q, tp)
+    else:
+        fn(q)
 
 
 def _probe_like(owner: GraphOwner, vllm_config) -> GraphOwner:
@@ -780,7 +791,8 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
     kw = dict(model=model or write_model("llama"), load_format="dummy",
               skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048)
     kw.update(engine_kwargs)
-    vc = EngineArgs(**kw).create_engine_config()
+    with _some_platform():
+        vc = EngineArgs(**kw).create_engine_config()
     cc = vc.compilation_config
     mode = getattr(_modes(), cudagraph_mode)
     cc.cudagraph_mode = mode
@@ -800,6 +812,40 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
                                         "FLASH_ATTN", 1 + _num_spec(vc),
                                         use_v2_model_runner=(runner == "v2"))
     return vc
+
+
+class _some_platform:
+    """Build configs with vLLM's CPU platform class where vLLM detects no platform (a CUDA
+    wheel on a machine without a GPU): only the config's device fields depend on it; the
+    CUDA-graph sizing is applied afterwards as on a GPU. vLLM modules import
+    ``current_platform`` by name, so each loaded module's binding is swapped and restored."""
+
+    def __enter__(self):
+        import vllm.platforms as platforms
+
+        self.saved = None
+        if getattr(platforms.current_platform, "device_type", "cpu"):
+            return self
+        from vllm.platforms.cpu import CpuPlatform
+
+        self.saved, self.stand_in = platforms._current_platform, CpuPlatform()
+        platforms._current_platform = self.stand_in
+        self._swap(self.saved, self.stand_in)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import vllm.platforms as platforms
+
+            platforms._current_platform = self.saved
+            self._swap(self.stand_in, self.saved)
+        return False
+
+    @staticmethod
+    def _swap(old, new) -> None:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("vllm.") and getattr(mod, "current_platform", None) is old:
+                mod.current_platform = new
 
 
 def plan_owner(vllm_config, runner: str = "v1") -> GraphOwner:

@@ -92,7 +92,8 @@ class _Record:
         self.orig = type(owner).dispatch.__get__(owner, type(owner))
         self.caller_code = _caller_code(runner) if self.kind == "V1" else None
         self.closure = None
-        self.wide = False             # V2 dispatch takes max_query_len/num_ubatches (0.29+)
+        self.tail = 0                 # V2 dispatch's params after num_active_loras:
+        #                               0.27.1 none, 0.29 max_query_len, 0.32+ num_ubatches too
         self.suspended = False
 
 
@@ -123,7 +124,7 @@ def arm(runner, adapter) -> bool:
         once(logging.INFO, ("fallback_ragged_v1",),
              "vllm-kvguard: V1 ragged-draft batches cannot be told from prefills on this "
              "vLLM; they are not counted (other fallback reasons are)")
-    rec.wide = make is _make_v2
+    rec.tail = {_make_v2: 2, _make_v2_029: 1}.get(make, 0)
     rec.closure = make(rec)
     _records[id(owner)] = rec
     _install(rec)
@@ -211,6 +212,22 @@ def _make_v2(rec: _Record):
     return dispatch
 
 
+def _make_v2_029(rec: _Record):
+    """0.29: ``dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
+    max_query_len=None)``."""
+    orig, best, slow = rec.orig, rec.best, _v2_slow
+
+    def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
+                 max_query_len=None):
+        desc = orig(num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len)
+        if desc.cg_mode is not best and max_query_len is not None:
+            slow(rec, desc.cg_mode, num_reqs, num_tokens, uniform_token_count,
+                 num_active_loras, max_query_len, 1)
+        return desc
+
+    return dispatch
+
+
 def _make_v2_027(rec: _Record):
     """0.27.1: ``dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras)``."""
     orig, best, slow = rec.orig, rec.best, _v2_slow
@@ -230,6 +247,8 @@ _V1_SIGNATURES = {("self", "num_tokens", "uniform_decode", "has_lora", "num_acti
 _V2_SIGNATURES = {
     ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras",
      "max_query_len", "num_ubatches"): _make_v2,
+    ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras",
+     "max_query_len"): _make_v2_029,
     ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"): _make_v2_027,
 }
 
@@ -297,7 +316,7 @@ def _v2_slow(rec, mode, num_reqs, num_tokens, uniform_token_count, num_active_lo
         if num_ubatches != 1 or num_reqs > rec.max_num_reqs:
             return
         u = uniform_token_count
-        if rec.wide:                     # the runner passes max_query_len=None with a prefill
+        if rec.tail:                     # the runner passes max_query_len=None with a prefill
             if max_query_len is None or max_query_len > rec.qmax:
                 return
         elif u is None or u > rec.qmax:  # 0.27.1: only uniform batches can be told apart
@@ -313,8 +332,7 @@ def _v2_slow(rec, mode, num_reqs, num_tokens, uniform_token_count, num_active_lo
             reason = "not_captured_for_draft_length"
         else:
             def unlora():
-                args = (num_reqs, num_tokens, u, 0) + (
-                    (max_query_len, num_ubatches) if rec.wide else ())
+                args = (num_reqs, num_tokens, u, 0) + (max_query_len, num_ubatches)[:rec.tail]
                 return rec.orig(*args).cg_mode
             reason = _uniform_reason(rec, mode, num_tokens, num_active_loras > 0, unlora)
         shape = f"{u} tokens each" if u is not None else f"1..{max_query_len} tokens each"
@@ -347,8 +365,7 @@ def after_dp_sync(args: tuple, kwargs: dict, result) -> None:
             return
         local = (bound["num_reqs"], bound["num_tokens"], bound["uniform_token_count"],
                  bound.get("num_active_loras", 0))
-        if rec.wide:
-            local += (bound.get("max_query_len"), 1)
+        local += (bound.get("max_query_len"), 1)[:rec.tail]
         wanted = rec.orig(*local).cg_mode
         if wanted is not none:
             _report(rec, "dp_sync_forced", none, bound["num_tokens"],
