@@ -9,8 +9,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_estimate_parity import (allocate, held, make_kv_cache_config, make_manager,  # noqa: E402
-                                  make_request, spec_full, spec_mamba, spec_swa, used_blocks)
+from kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
+from kv_fixtures import used_blocks  # noqa: E402
+from test_estimate_parity import (allocate, held, make_manager, make_request,  # noqa: E402
+                                  spec_full, spec_mamba, spec_swa)
 
 from vllm_kvguard.fixes import capacity  # noqa: E402
 from vllm_kvguard.truth_table import record_defect  # noqa: E402

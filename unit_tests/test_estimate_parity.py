@@ -6,13 +6,12 @@ prompt, prefill chunking, decode steps of 1..k+1 tokens) a request is driven thr
 ``len(req_to_blocks[rid])`` and its ``physical`` must equal the non-null blocks the
 request holds (which also equal what left the pool). >= 300 examples per spec type.
 
-The small builders here (spec_*, make_manager, make_request) are version-tolerant: they
-pass only the keyword arguments the installed vLLM accepts, and tests skip with a reason
-where a spec type does not exist.
+Builders come from ``kv_fixtures`` (version-tolerant, real vLLM objects); the few here add
+what it lacks (DCP, spec-type skips). Tests skip with a reason where a spec type does not
+exist in the installed vLLM.
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
@@ -21,7 +20,6 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import torch  # noqa: E402
 from vllm.v1 import kv_cache_interface as kci  # noqa: E402
 
 from vllm_kvguard.fixes.estimate import Reserved, lookahead_tokens, reserved_blocks  # noqa: E402
@@ -30,11 +28,10 @@ EXAMPLES = 300
 
 
 # ------------------------------------------------------------------------------ builders
-def _accepted(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+# Shared builders of real vLLM objects live in kv_fixtures; only what it lacks is here.
+from kv_fixtures import accepted, attention_spec, kv_cache_config, mamba_spec  # noqa: E402
+from kv_fixtures import make_request as _make_request  # noqa: E402
+from kv_fixtures import used_blocks  # noqa: E402
 
 
 def spec_class(name: str):
@@ -44,61 +41,47 @@ def spec_class(name: str):
     return cls
 
 
-def _attn(name: str, block_size: int, **extra):
-    cls = spec_class(name)
-    return cls(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
-               **extra)
-
-
 def spec_full(block_size: int):
-    return _attn("FullAttentionSpec", block_size)
+    return attention_spec(block_size)
 
 
 def spec_swa(block_size: int, window: int):
-    return _attn("SlidingWindowSpec", block_size, sliding_window=window)
+    return attention_spec(block_size, "SlidingWindowSpec", sliding_window=window)
 
 
 def spec_chunked(block_size: int, chunk: int):
-    return _attn("ChunkedLocalAttentionSpec", block_size, attention_chunk_size=chunk)
+    return attention_spec(block_size, "ChunkedLocalAttentionSpec", attention_chunk_size=chunk)
 
 
 def spec_cross(block_size: int):
-    return _attn("CrossAttentionSpec", block_size)
+    return attention_spec(block_size, "CrossAttentionSpec")
 
 
 def spec_mamba(block_size: int, mode: str = "none", nsb: int = 0):
-    cls = spec_class("MambaSpec")
-    return cls(block_size=block_size, shapes=((4, 8),), dtypes=(torch.bfloat16,),
-               mamba_cache_mode=mode, num_speculative_blocks=nsb)
+    spec_class("MambaSpec")
+    return mamba_spec(block_size, mode, nsb)
 
 
-def make_kv_cache_config(specs, num_blocks: int):
-    groups = [kci.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
-    return kci.KVCacheConfig(**_accepted(kci.KVCacheConfig, dict(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)))
+make_kv_cache_config = kv_cache_config
 
 
 def make_manager(specs, num_blocks: int, max_model_len: int, *, dcp: int = 1,
                  enable_caching: bool = False):
-    """A real scheduler-side KVCacheManager over ``specs`` (one group each)."""
+    """A real KVCacheManager over ``specs`` (one group each), with a DCP size and the
+    scheduler's block granularity (LCM of the groups'), which kv_fixtures.make_manager
+    does not take."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    block_size = math.lcm(*(s.block_size for s in specs))   # the scheduler's granularity
-    kwargs = dict(kv_cache_config=make_kv_cache_config(specs, num_blocks),
+    block_size = math.lcm(*(s.block_size for s in specs))
+    kwargs = dict(kv_cache_config=kv_cache_config(specs, num_blocks),
                   max_model_len=max_model_len, scheduler_block_size=block_size,
                   hash_block_size=block_size, max_in_flight_tokens=max_model_len,
                   enable_caching=enable_caching, dcp_world_size=dcp)
-    return KVCacheManager(**_accepted(KVCacheManager.__init__, kwargs))
+    return KVCacheManager(**accepted(KVCacheManager.__init__, kwargs))
 
 
 def make_request(rid: str, num_prompt_tokens: int):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(**_accepted(Request.__init__, dict(
-        request_id=rid, prompt_token_ids=list(range(num_prompt_tokens)),
-        sampling_params=SamplingParams(max_tokens=1 << 20), pooling_params=None,
-        eos_token_id=None)))
+    return _make_request(rid, range(num_prompt_tokens), max_tokens=1 << 20)
 
 
 def allocate(manager, request, num_new_tokens: int, *, k: int = 0, encoder: int = 0):
@@ -113,11 +96,6 @@ def held(manager, rid: str, group: int = 0) -> Reserved:
     real = [b.block_id for b in blocks if not b.is_null]
     assert len(real) == len(set(real)), "a block twice in one request"
     return Reserved(len(blocks), len(real))
-
-
-def used_blocks(manager) -> int:
-    pool = manager.block_pool
-    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
 
 # ------------------------------------------------------------------------------ the fuzz

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 W = pytest.importorskip("vllm.v1.worker.gpu.warmup")
 
-from test_estimate_parity import make_kv_cache_config, spec_full, spec_mamba  # noqa: E402
+from kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
+from test_estimate_parity import spec_full, spec_mamba  # noqa: E402
 
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes.estimate import reserved_blocks  # noqa: E402
