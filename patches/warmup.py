@@ -3,7 +3,8 @@
 Targets (each declares its own range below; all optional except the scheduler's)
     ``vllm.v1.worker.gpu.warmup._warmup_kernels`` (0.32+) and ``.warmup_kernels`` (0.27.1,
     where the plan lives in ``warmup_kernels`` itself; also re-bound in
-    ``vllm.v1.worker.gpu_worker``) -> hook ``kvguard_warmup`` -> :mod:`vllm_kvguard.fixes.warmup_guard`
+    ``vllm.v1.worker.gpu_worker``)
+        -> hook ``kvguard_warmup`` -> :mod:`vllm_kvguard.fixes.warmup_guard`
         The V2 warmup reserves what the allocator reserves (0.27.1 ignores lookahead and
         Mamba speculative blocks outside align mode: vllm#51438), never hands out a block
         id >= the pool's block count (all versions: the one-request floor), and a failing

@@ -160,13 +160,14 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)
+    per_group = ", ".join(f"group {g.index}: {g.decode}" for g in cap.groups)
     if cap.has_mamba and cap.decodes_that_fit < cap.max_num_seqs:
         graphs = {True: "FULL decode CUDA graphs are captured for batch sizes that can never "
                         "run", False: "FULL decode graphs are off",
                   None: "FULL decode graph mode unknown"}[cap.full_decode_graphs]
         cap.warnings.append(
             f"max_num_seqs={cap.max_num_seqs} decodes do not fit: each decoding sequence holds "
-            f"{cap.decode_blocks} blocks ({', '.join(f'group {g.index}: {g.decode}' for g in cap.groups)}"
+            f"{cap.decode_blocks} blocks ({per_group}"
             f", Mamba speculative blocks included), so at most {cap.decodes_that_fit} of the "
             f"{cap.usable} usable blocks' sequences decode at once; {graphs}. Lower "
             f"--max-num-seqs to {max(1, cap.decodes_that_fit)} or give the KV cache more memory.")

@@ -195,7 +195,8 @@ def dry_run(fn, runner, plan: WarmupPlan, max_num_seqs: int | None, rest, kwargs
     return rw
 
 
-def choose_cap(fn, runner, plan: WarmupPlan, rest, kwargs) -> tuple[int | None, BlockRewriter | None]:
+def choose_cap(fn, runner, plan: WarmupPlan, rest,
+               kwargs) -> tuple[int | None, BlockRewriter | None]:
     """(max_num_seqs for the warmup or None to keep it, the fitting dry run) or (0, None)."""
     try:
         return None, dry_run(fn, runner, plan, None, rest, kwargs)
