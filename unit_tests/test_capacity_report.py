@@ -11,8 +11,10 @@ pytest.importorskip("vllm")
 
 from kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
 from kv_fixtures import used_blocks  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from test_estimate_parity import (allocate, held, make_manager, make_request,  # noqa: E402
-                                  spec_full, spec_mamba, spec_swa)
+                                  spec_chunked, spec_class, spec_full, spec_mamba, spec_swa)
 
 from vllm_kvguard.fixes import capacity  # noqa: E402
 from vllm_kvguard.truth_table import record_defect  # noqa: E402
@@ -97,15 +99,33 @@ def test_true_max_concurrency_is_what_the_allocator_admits():
     assert cap.vllm_concurrency is not None and cap.vllm_concurrency == pytest.approx(32 / 8)
 
 
-def test_sliding_window_peak_is_bounded_by_window():
-    mml = 256
-    spec = spec_swa(16, 32)
-    cfg = make_config(mml=mml, k=2, lookahead=2, batched=64)
-    cap = capacity.compute(cfg, make_kv_cache_config([spec], 100))
-    manager = make_manager([spec], 400, mml)
-    peak = drive_to_max_len(manager, "r", mml=mml, prompt=64, step=3, k=2, groups=1)
-    assert cap.groups[0].spec >= peak[0]
-    assert cap.groups[0].spec < -(-mml // 16)
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["SlidingWindowSpec", "ChunkedLocalAttentionSpec"]),
+       st.sampled_from([2, 4, 8, 16]), st.integers(8, 160), st.integers(1, 48),
+       st.data())
+def test_windowed_peak_covers_every_prompt_length(kind, bs, mml, window, data):
+    """Sliding-window / chunked-local groups free blocks as they go: the report's peak must
+    cover the worst the allocator holds for any prompt length and chunking."""
+    spec_class(kind)
+    spec = (spec_swa(bs, window) if kind == "SlidingWindowSpec"
+            else spec_chunked(bs, window))
+    chunk = data.draw(st.integers(1, mml))
+    k = data.draw(st.integers(0, 4))
+    prompt = data.draw(st.integers(1, mml))
+    manager = make_manager([spec], 4 * mml + 64, mml)
+    req = make_request("r", prompt)
+    computed, peak, q = 0, 0, min(chunk, prompt)
+    while computed < mml:
+        q = min(q, mml - computed)
+        assert allocate(manager, req, q, k=k) is not None
+        peak = max(peak, held(manager, "r").physical)
+        computed += q
+        req.num_computed_tokens = computed
+        q = min(chunk, prompt - computed) if computed < prompt else 1 + k
+    est = capacity.peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk, lookahead=k)
+    assert est >= peak
+    assert est <= -(-mml // bs)
 
 
 def test_mamba_full_decode_warning_names_the_numbers(kvguard_log):

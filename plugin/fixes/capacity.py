@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 from vllm_kvguard.fixes.estimate import lookahead_tokens, manager_block_size, reserved
@@ -72,20 +73,26 @@ class Capacity:
 
 def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: int,
                 encoder_len: int = 0, dcp: int = 1) -> int:
-    """The most blocks one request holds in the group on its way to ``max_model_len``:
-    prefill in ``chunk``-token chunks, then decode steps of ``step`` tokens."""
+    """The most blocks one request holds in the group on its way to ``max_model_len``, over
+    every prompt length: prefill in ``chunk``-token chunks, then decode steps of ``step``.
+
+    What a step holds depends on where it starts (``C``) only through ``C`` modulo the
+    block size and, for sliding-window / chunked-local groups, the window; so scanning one
+    such period below the top covers every case (monotone groups peak at the top)."""
     mml = max_model_len
     bsz = manager_block_size(spec, dcp)
     window = max(int(getattr(spec, "sliding_window", 0) or 0),
                  int(getattr(spec, "attention_chunk_size", 0) or 0))
-    span = min(mml, window + 4 * bsz + 4 * step + 64)
+    period = min(mml, (math.lcm(window, bsz) if window else bsz) + 2 * bsz + step)
     points = {(min(chunk, mml), 0), (mml, max(0, mml - step))}
-    points.update((min(c + step, mml), c) for c in range(max(0, mml - span), mml))
-    points.update((min(c + chunk, mml), c) for c in range(max(0, mml - chunk - bsz - 1), mml))
+    points.update((min(c + step, mml), c) for c in range(max(0, mml - step - period), mml))
+    top = max(0, mml - chunk)
+    points.update((min(c + chunk, mml), c)
+                  for c in range(max(0, top - period), min(mml, top + 2 * bsz + 1)))
     best = 0
     for n, c in points:
         r = reserved(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
-                            num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
+                     num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
         if r is None:
             raise LookupError(type(spec).__name__)
         best = max(best, r.physical)
