@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -527,6 +528,25 @@ def run_all(settings: dict, prog: Progress, report: dict) -> None:
             prog.say(f"micro-benchmark {name}: {report['microbench'][name]}", advance=1)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Ctrl-C (even where the shell started us ignoring SIGINT) and SIGTERM stop the run the
+    same way: children killed, the finished scenarios reported. Restores the handlers."""
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):           # not the main thread
+            saved[sig] = signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -544,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = Progress(steps_for(settings), args.quiet)
     t0 = time.monotonic()
     try:
-        run_all(settings, prog, report)
+        with _stop_on_signals():
+            run_all(settings, prog, report)
     except UsageError as exc:
         prog.close()
         parser.error(str(exc))

@@ -1,5 +1,7 @@
 """kvguard-ab command line: arguments fail fast, settings reach the engines, exit codes."""
 import json
+import os
+import signal
 
 import pytest
 
@@ -149,6 +151,24 @@ def test_ctrl_c_prints_what_was_done_and_exits_130(fake_run, tmp_path, capsys):
     assert "baseline" in out and "INTERRUPTED" in out
     data = json.loads((tmp_path / "kvguard-ab.json").read_text())
     assert data["interrupted"] and not data["ok"] and len(data["scenarios"]) == 1
+
+
+def test_sigterm_stops_like_ctrl_c_and_restores_the_handlers(fake_run, tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+
+    results = iter([scenario()])
+
+    def run_scenario(*args):
+        for done in results:
+            return done
+        os.kill(os.getpid(), signal.SIGTERM)          # the second scenario is terminated
+        raise AssertionError("SIGTERM did not stop the run")
+
+    fake_run.side_effect = run_scenario
+    assert ab.main(["--scenario", "baseline", "coverage", "--no-microbench", "--quiet",
+                    "--no-png"]) == 130
+    assert json.loads((tmp_path / "kvguard-ab.json").read_text())["interrupted"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_microbench_absent_is_na(tmp_path, monkeypatch):
