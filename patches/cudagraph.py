@@ -11,16 +11,18 @@ Targets (V2 ones are optional: skipped with a log line where absent)
         -> ``kvguard_cudagraph_before_capture`` / ``kvguard_cudagraph_captured``: arm runtime
         accounting on the runner's graph owner (:mod:`vllm_kvguard.fixes.fallbacks`); V2:
         capture disabled after a non-profile capture, as V1 does
-    ``vllm.v1.worker.gpu.dp_utils.dispatch_cg_and_sync_dp`` (V2; also bound by name in
-    ``vllm.v1.worker.gpu.model_runner``)
+    ``vllm.v1.worker.gpu.dp_utils.sync_cudagraph_and_dp_padding`` (V2; called by
+    ``dispatch_cg_and_sync_dp`` only when ``dp_size > 1``, so a single-rank step pays nothing)
         -> a rank forced eager by the DP agreement is counted (``dp_sync_forced``)
     ``vllm.v1.core.block_pool.BlockPool.__init__``
         -> ``kvguard_block_pool_ready``: block 0 is the reserved null block, never free
     ``vllm.v1.worker.gpu_worker.Worker.sleep`` / ``.wake_up``
         -> ``kvguard_cudagraph_reinit``: suspend / resume (or release) the armed accounting
-Per-instance (no class-level wrapper on the hot path, see :data:`DISPATCH_METHODS`)
-    V1 ``CudagraphDispatcher.dispatch``, V2 ``CudaGraphManager.dispatch``: after capture, the
-    runner's own owner gets a counting closure when its configuration intends graphs.
+Per instance, never at class level on the dispatch path (see :data:`DISPATCH_METHODS`)
+    V1 ``CudagraphDispatcher.dispatch`` gets a counting closure; V2 ``CudaGraphManager.
+    dispatch`` is left as is: its misses and FULL->PIECEWISE fall-throughs are seen without
+    a wrapper (:mod:`vllm_kvguard.fixes.fallbacks`). Armed after capture, only when the
+    configuration intends graphs.
 Why
     Batches no captured graph covers run eager with no log and no counter: with 3 draft
     tokens and max_num_seqs=256 the default capture ceiling (512 tokens) leaves every decode
@@ -75,11 +77,10 @@ def capture_model(call: HostCall):
     return result
 
 
-def dispatch_cg_and_sync_dp(wrapped, instance, args, kwargs):
-    """Per-step V2 wrapper, kept minimal: only a DP sync (``result[1]`` set) with armed
-    accounting goes further (``after_dp_sync`` fails open itself)."""
+def sync_cudagraph_and_dp_padding(wrapped, instance, args, kwargs):
+    """V2 DP agreement (dp_size > 1 only); ``after_dp_sync`` fails open itself."""
     result = wrapped(*args, **kwargs)
-    if result[1] is not None and fallbacks.ARMED:
+    if fallbacks.ARMED:
         fallbacks.after_dp_sync(args, kwargs, result)
     return result
 
@@ -136,8 +137,8 @@ PATCH = Patch(
         Target(V2_RUNNER, "GPUModelRunner.initialize_kv_cache", initialize_kv_cache,
                required=False),
         Target(V2_RUNNER, "GPUModelRunner.capture_model", capture_model, required=False),
-        Target("vllm.v1.worker.gpu.dp_utils", "dispatch_cg_and_sync_dp",
-               dispatch_cg_and_sync_dp, also_at=(V2_RUNNER,), required=False),
+        Target("vllm.v1.worker.gpu.dp_utils", "sync_cudagraph_and_dp_padding",
+               sync_cudagraph_and_dp_padding, required=False),
         Target("vllm.v1.core.block_pool", "BlockPool.__init__", block_pool_init),
         Target("vllm.v1.worker.gpu_worker", "Worker.sleep", worker_sleep, required=False),
         Target("vllm.v1.worker.gpu_worker", "Worker.wake_up", worker_wake_up, required=False),

@@ -65,22 +65,7 @@ def warnings(log) -> list[str]:
 
 
 def v1_runner(vc, dp_size=1):
-    """A V1 model runner carrying what ``_determine_batch_execution_and_padding`` reads."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    runner = GPUModelRunner.__new__(GPUModelRunner)
-    parallel = SimpleNamespace(data_parallel_size=dp_size, data_parallel_rank=0,
-                               tensor_parallel_size=1)
-    runner.__dict__.update(
-        vllm_config=SimpleNamespace(parallel_config=parallel,
-                                    observability_config=vc.observability_config,
-                                    compilation_config=vc.compilation_config,
-                                    scheduler_config=vc.scheduler_config),
-        parallel_config=parallel, compilation_config=vc.compilation_config,
-        model_config=vc.model_config, uniform_decode_query_len=4,
-        input_batch=SimpleNamespace(lora_id_to_lora_request={}),
-        cudagraph_dispatcher=coverage.plan_owner(vc).obj)
-    return runner
+    return coverage.plan_v1_runner(vc, dp_size)
 
 
 def step(runner, per_request: list[int], **kw):
@@ -247,24 +232,72 @@ def test_v2_graphs_released(fdo_v2):
     assert counts() == {"graphs_released": 1}
 
 
-def test_v2_dp_sync_forced(fdo_v2, mocker):
-    import torch
-    from vllm.v1.worker.gpu import dp_utils
-    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+def test_v2_graphed_batches_go_through_untouched(fdo_v2):
+    """No wrapper on V2 dispatch: a graphed batch returns vLLM's stored descriptor."""
+    from vllm.v1.worker.gpu import cudagraph_utils
 
-    from vllm_kvguard import activation
-
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "cudagraph"})
+    real_cls = cudagraph_utils.BatchExecutionDescriptor
     m = armed_v2(fdo_v2)
-    none = type(fdo_v2.compilation_config.cudagraph_mode).NONE
-    eager = BatchExecutionDescriptor(cg_mode=none, num_tokens=40, num_reqs=10)
-    # The collective: the other rank voted eager.
+    assert "dispatch" not in vars(m)
+    kw = {"max_query_len": 4} if coverage._v2_takes_max_query_len(type(m)) else {}
+    desc = m.dispatch(100, 400, 4, 0, **kw)
+    assert any(desc is d for d in m._candidates[(400, 0)])
+    assert isinstance(desc, cudagraph_utils.BatchExecutionDescriptor)   # the stand-in is transparent
+    fallbacks.disarm_all()
+    assert cudagraph_utils.BatchExecutionDescriptor is real_cls
+
+
+@pytest.fixture(scope="module")
+def fap_v2():
+    return plan("v2", mode="FULL_AND_PIECEWISE")
+
+
+def test_v2_full_and_piecewise_counts_fall_through_to_piecewise(fap_v2, kvguard_log):
+    owner = coverage.plan_owner(fap_v2, "v2")
+    m = owner.obj
+    if not coverage._v2_takes_max_query_len(type(m)):
+        pytest.skip("0.27.1 does not tell ragged decodes from prefills")
+    keys_before = {k: list(v) for k, v in m._candidates.items()}
+    m._graphs_captured = True
+    assert fallbacks.arm(None, owner)
+    assert {k: list(v) for k, v in m._candidates.items()} != keys_before    # gates in
+    assert v2(m, 100, 400, 4, 4) == "FULL"
+    assert v2(m, 3, 300, None, None) == "PIECEWISE"          # mixed: PIECEWISE intended
+    assert counts() == {}
+    assert v2(m, 10, 25, None, 4) == "PIECEWISE"             # ragged decode fell through
+    assert v2(m, 10, 10, 1, 1) == "PIECEWISE"                # zero-draft step
+    assert v2(m, 130, 520, 4, 4) == "NONE"                   # over the ceiling: a miss
+    assert counts() == {"non_uniform_drafts": 1, "not_captured_for_draft_length": 1,
+                        "over_max_capture_size": 1}
+    assert any("ran PIECEWISE (non_uniform_drafts" in w for w in warnings(kvguard_log))
+    fallbacks.disarm_all()
+    assert {k: list(v) for k, v in m._candidates.items()} == keys_before   # gates removed
+
+
+def test_v2_dp_sync_forced(fdo_v2, mocker):
+    """vLLM's dispatch_cg_and_sync_dp -> our wrapper -> the DP agreement (a collective,
+    replaced here): the other rank voted eager."""
+    import inspect
+
+    from vllm.v1.worker.gpu import dp_utils
+
+    from vllm_kvguard.patches import cudagraph
+    from vllm_kvguard.registry import KvguardWrapper
+
+    m = armed_v2(fdo_v2)
+    real = dp_utils.sync_cudagraph_and_dp_padding
+
+    def agreement(*args, **kwargs):
+        desired = inspect.signature(real).bind(*args, **kwargs).arguments["desired_batch_desc"]
+        return type(desired)(cg_mode=type(desired.cg_mode).NONE, num_tokens=desired.num_tokens,
+                             num_reqs=desired.num_reqs), object()
+
+    agreement.__signature__ = inspect.signature(real)
     mocker.patch.object(dp_utils, "sync_cudagraph_and_dp_padding",
-                        return_value=(eager, torch.tensor([40, 40])))
+                        KvguardWrapper(agreement, cudagraph.sync_cudagraph_and_dp_padding))
     kw = {"max_query_len": 4} if coverage._v2_takes_max_query_len(type(m)) else {}
     desc, _ = dp_utils.dispatch_cg_and_sync_dp(m, 10, 40, 4, 2, 0, **kw)
-    assert desc.cg_mode == none
-    desc, _ = dp_utils.dispatch_cg_and_sync_dp(m, 10, 40, 4, 2, 0, need_eager=True, **kw)
+    assert desc.cg_mode.name == "NONE"
     assert counts() == {"dp_sync_forced": 1}
 
 

@@ -56,12 +56,15 @@ def test_apply_and_revert():
     assert activation.wrapped_targets() == []
 
 
-def test_dp_wrapper_is_installed_where_imported_by_name():
-    from vllm.v1.worker.gpu import dp_utils, model_runner
+def test_single_rank_dispatch_path_carries_no_wrapper():
+    """The DP agreement is wrapped (dp_size > 1 only); the per-step dispatch_cg_and_sync_dp
+    and V2 dispatch are not."""
+    from vllm.v1.worker.gpu import cudagraph_utils, dp_utils, model_runner
 
     activate()
-    assert model_runner.dispatch_cg_and_sync_dp is dp_utils.dispatch_cg_and_sync_dp
-    assert type(model_runner.dispatch_cg_and_sync_dp).__name__ == "KvguardWrapper"
+    assert type(dp_utils.sync_cudagraph_and_dp_padding).__name__ == "KvguardWrapper"
+    assert type(model_runner.dispatch_cg_and_sync_dp).__name__ == "function"
+    assert type(vars(cudagraph_utils.CudaGraphManager)["dispatch"]).__name__ == "function"
 
 
 def v1_runner(vc):

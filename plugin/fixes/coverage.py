@@ -125,10 +125,13 @@ class V2Owner(GraphOwner):
     def probe(self, num_reqs: int, q: int, lora: int = 0):
         obj = self.obj
         kwargs = {"max_query_len": q} if _v2_takes_max_query_len(type(obj)) else {}
+        from vllm_kvguard.fixes.fallbacks import quiet
+
         captured = obj._graphs_captured
         obj._graphs_captured = True          # dispatch answers only once graphs exist
         try:
-            desc = type(obj).dispatch(obj, num_reqs, num_reqs * q, q, lora, **kwargs)
+            with quiet():
+                desc = type(obj).dispatch(obj, num_reqs, num_reqs * q, q, lora, **kwargs)
         finally:
             obj._graphs_captured = captured
         return desc.cg_mode, int(desc.num_tokens)
@@ -896,6 +899,30 @@ def main(argv: list[str] | None = None) -> int:
                   f"({_short(result.added)})")
         print(format_table(audit(plan_owner(vc, a.runner)), "after capture completion"))
     return 0
+
+
+def plan_v1_runner(vllm_config, dp_size: int = 1):
+    """A V1 ``GPUModelRunner`` built without ``__init__`` (which needs a GPU), carrying what
+    ``_determine_batch_execution_and_padding`` reads and a dispatcher with keys for
+    ``vllm_config``: lets tests and the dispatch benchmark run vLLM's own per-step dispatch."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = GPUModelRunner.__new__(GPUModelRunner)
+    parallel = SimpleNamespace(data_parallel_size=dp_size, data_parallel_rank=0,
+                               tensor_parallel_size=1)
+    runner.__dict__.update(
+        vllm_config=SimpleNamespace(parallel_config=parallel,
+                                    observability_config=vllm_config.observability_config,
+                                    compilation_config=vllm_config.compilation_config,
+                                    scheduler_config=vllm_config.scheduler_config),
+        parallel_config=parallel, compilation_config=vllm_config.compilation_config,
+        model_config=vllm_config.model_config,
+        uniform_decode_query_len=1 + _num_spec(vllm_config),
+        input_batch=SimpleNamespace(lora_id_to_lora_request={}),
+        cudagraph_dispatcher=plan_owner(vllm_config).obj)
+    return runner
 
 
 class PlanRunner:

@@ -15,21 +15,30 @@ Reasons (:data:`REASONS`)
     ``dp_sync_forced``               another data-parallel rank ran eager, so this one did
     ``graphs_released``              graphs were released (elastic EP) and not recaptured
 
-Where, and what it costs
-    Nothing is wrapped at class level on the hot path. After a non-profile
-    ``capture_model`` the runner's own graph owner (V1 ``CudagraphDispatcher``, V2
-    ``CudaGraphManager``) gets an instance attribute ``dispatch``: a closure with the
-    host's exact signature that calls the bound original and compares the returned mode
-    with the intended one (one identity test). Only a batch that did not get the intended
-    mode takes the slow path (classification, hook call). Owners whose mode is ``NONE``
-    (the CPU backend, ``enforce_eager``) get nothing. V1 does not pass the batch shape to
-    ``dispatch``; for a non-uniform batch the slow path reads ``num_reqs`` and
-    ``max_num_scheduled_tokens`` from the caller frame
-    (``GPUModelRunner._determine_batch_execution_and_padding``, matched by code object).
-    ``benchmarks/bench_dispatch.py`` measures the closure against the bare dispatcher.
+Where, and what it costs (``benchmarks/bench_dispatch.py`` measures it)
+    Nothing is armed for an owner whose configuration intends no graph (the CPU backend,
+    ``enforce_eager``), and nothing is wrapped at class level on the dispatch path. After
+    a non-profile ``capture_model``:
+
+    * V1 ``CudagraphDispatcher`` (a dispatch costs microseconds): the runner's dispatcher
+      gets an instance attribute ``dispatch``, a closure with the host's exact signature
+      that calls the bound original and compares the returned mode with the intended one.
+      Only a miss takes the slow path. V1 does not pass the batch shape to ``dispatch``; for
+      a non-uniform batch the slow path reads ``num_reqs`` and ``max_num_scheduled_tokens``
+      from the caller frame (``GPUModelRunner._determine_batch_execution_and_padding``,
+      matched by code object).
+    * V2 ``CudaGraphManager`` (a dispatch is a dict lookup, ~0.4 us: any wrapper frame would
+      cost a quarter of it): no wrapper at all. A graphed batch returns a stored descriptor
+      untouched. A miss constructs ``BatchExecutionDescriptor(cg_mode=NONE, ...)``: while a
+      V2 owner is armed that name in ``cudagraph_utils`` is a transparent stand-in
+      (:class:`_MissFactory`) that reads the arguments from ``dispatch``'s frame. A batch
+      that falls from FULL to PIECEWISE passes a :class:`_Gate` placed in its candidate list
+      between the FULL decode descriptors and the PIECEWISE ones.
+    * Data parallel: ``dp_utils.sync_cudagraph_and_dp_padding`` (called only when
+      ``dp_size > 1``) compares this rank's wish with the agreed mode.
 Suspend / resume
-    ``Worker.sleep`` suspends (closures removed), ``Worker.wake_up`` resumes: each record
-    is re-validated against its owner (same owner object, graphs still there) and
+    ``Worker.sleep`` suspends (closures and gates removed), ``Worker.wake_up`` resumes: each
+    record is re-validated against its owner (same owner object, graphs still there) and
     re-installed, or released with one warning if that fails; the next capture re-arms.
 """
 from __future__ import annotations
@@ -40,7 +49,7 @@ import sys
 import weakref
 
 from vllm_kvguard.hookspecs import hookimpl
-from vllm_kvguard.log import logger, once
+from vllm_kvguard.log import once
 
 CATEGORY = "cudagraph_fallback"
 REASONS = ("over_max_capture_size", "non_uniform_drafts", "not_captured_for_draft_length",
@@ -73,6 +82,13 @@ FIXES = {
 ARMED = False
 _records: dict[int, "_Record"] = {}
 
+V1_SIGNATURE = ("self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras",
+                "valid_modes", "invalid_modes")
+#: V2 ``dispatch`` parameters after ``num_active_loras`` (0.27.1: none; 0.29: max_query_len;
+#: 0.32+: max_query_len, num_ubatches).
+V2_HEAD = ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras")
+V2_TAILS = {(): 0, ("max_query_len",): 1, ("max_query_len", "num_ubatches"): 2}
+
 
 class _Record:
     """One armed graph owner: what it intends and how to classify a miss."""
@@ -88,18 +104,18 @@ class _Record:
         self.max_size = adapter.max_capture_size
         self.max_num_reqs = int(adapter.vllm_config.scheduler_config.max_num_seqs)
         self.max_decode_tokens = self.max_num_reqs * self.qmax
-        self.graphs = adapter.num_graphs()
         self.orig = type(owner).dispatch.__get__(owner, type(owner))
         self.caller_code = _caller_code(runner) if self.kind == "V1" else None
-        self.closure = None
-        self.tail = 0                 # V2 dispatch's params after num_active_loras:
-        #                               0.27.1 none, 0.29 max_query_len, 0.32+ num_ubatches too
+        self.tail = 0                 # V2: dispatch params after num_active_loras
+        self.closure = None           # V1: the instance ``dispatch``
+        self.gates: list = []         # V2: (candidate list, gate)
+        self.last_gate = None
         self.suspended = False
 
 
 # ----------------------------------------------------------------------------- arming
 def arm(runner, adapter) -> bool:
-    """Install the counting ``dispatch`` on ``adapter.obj`` (a graph owner of ``runner``).
+    """Start counting on ``adapter.obj`` (the graph owner of ``runner``).
 
     Returns False (and installs nothing) when the owner intends no graph, or its
     ``dispatch`` signature is not one this module knows (logged once).
@@ -112,20 +128,24 @@ def arm(runner, adapter) -> bool:
     if old is not None:
         _uninstall(old)
     rec = _Record(owner, runner, adapter)
-    make = _V1_SIGNATURES.get(_params(type(owner).dispatch)) if rec.kind == "V1" else \
-        _V2_SIGNATURES.get(_params(type(owner).dispatch))
-    if make is None:
+    params = _params(type(owner).dispatch)
+    if rec.kind == "V1":
+        known = params == V1_SIGNATURE
+    else:
+        known = params[:5] == V2_HEAD and params[5:] in V2_TAILS
+        rec.tail = V2_TAILS.get(params[5:], 0)
+    if not known:
         once(logging.WARNING, ("fallback_signature", rec.kind),
              "vllm-kvguard: CUDA-graph fallback accounting is off for model runner %s: its "
              "dispatch() signature %s is not one this version of vllm-kvguard knows",
-             rec.kind, _params(type(owner).dispatch))
+             rec.kind, params)
         return False
-    if rec.kind == "V1" and rec.caller_code is None:
-        once(logging.INFO, ("fallback_ragged_v1",),
-             "vllm-kvguard: V1 ragged-draft batches cannot be told from prefills on this "
-             "vLLM; they are not counted (other fallback reasons are)")
-    rec.tail = {_make_v2: 2, _make_v2_029: 1}.get(make, 0)
-    rec.closure = make(rec)
+    if rec.kind == "V1":
+        if rec.caller_code is None:
+            once(logging.INFO, ("fallback_ragged_v1",),
+                 "vllm-kvguard: V1 ragged-draft batches cannot be told from prefills on this "
+                 "vLLM; they are not counted (other fallback reasons are)")
+        rec.closure = _make_v1(rec)
     _records[id(owner)] = rec
     _install(rec)
     ARMED = True
@@ -134,23 +154,37 @@ def arm(runner, adapter) -> bool:
 
 def _install(rec: _Record) -> None:
     owner = rec.owner_ref()
-    if owner is not None:
+    if owner is None:
+        return
+    if rec.kind == "V1":
         owner.dispatch = rec.closure
-        rec.suspended = False
+    else:
+        _MissFactory.install(owner)
+        factory = _MissFactory.installed
+        factory.decode_max = max(factory.decode_max, rec.max_decode_tokens)
+        rec.gates = _place_gates(rec, owner)
+    rec.suspended = False
 
 
 def _uninstall(rec: _Record) -> None:
     owner = rec.owner_ref()
-    if owner is not None and owner.__dict__.get("dispatch") is rec.closure:
-        del owner.__dict__["dispatch"]
+    if rec.kind == "V1":
+        if owner is not None and owner.__dict__.get("dispatch") is rec.closure:
+            del owner.__dict__["dispatch"]
+        return
+    for candidates, gate in rec.gates:
+        if gate in candidates:
+            candidates.remove(gate)
+    rec.gates = []
 
 
 def disarm_all() -> None:
-    """Remove every counting closure (patch teardown, tests)."""
+    """Remove every closure, gate and stand-in (patch teardown, tests)."""
     global ARMED
     for rec in list(_records.values()):
         _uninstall(rec)
     _records.clear()
+    _MissFactory.remove()
     ARMED = False
 
 
@@ -165,10 +199,15 @@ def _params(fn) -> tuple[str, ...]:
         return ()
 
 
-def _none():
-    from vllm.config import CUDAGraphMode
+_MODES: list = []
 
-    return CUDAGraphMode.NONE
+
+def _none():
+    if not _MODES:
+        from vllm.config import CUDAGraphMode
+
+        _MODES[:] = [CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE]
+    return _MODES[0]
 
 
 def _caller_code(runner):
@@ -181,15 +220,16 @@ def _caller_code(runner):
     return code
 
 
-# ----------------------------------------------------------------------------- closures
+# ----------------------------------------------------------------------------- V1
 def _make_v1(rec: _Record):
-    orig, best, slow = rec.orig, rec.best, _v1_slow
+    orig, best, slow, decode_max = rec.orig, rec.best, _v1_slow, rec.max_decode_tokens
 
     def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0,
                  valid_modes=None, invalid_modes=None):
         result = orig(num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes,
                       invalid_modes)
-        if result[0] is not best:
+        # Only a decode-sized batch that missed its intended graph goes further.
+        if result[0] is not best and (uniform_decode or num_tokens <= decode_max):
             slow(rec, result[0], num_tokens, uniform_decode, has_lora, num_active_loras,
                  valid_modes, invalid_modes)
         return result
@@ -197,63 +237,6 @@ def _make_v1(rec: _Record):
     return dispatch
 
 
-def _make_v2(rec: _Record):
-    orig, best, slow = rec.orig, rec.best, _v2_slow
-
-    def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
-                 max_query_len=None, num_ubatches=1):
-        desc = orig(num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len,
-                    num_ubatches)
-        if desc.cg_mode is not best and max_query_len is not None:
-            slow(rec, desc.cg_mode, num_reqs, num_tokens, uniform_token_count,
-                 num_active_loras, max_query_len, num_ubatches)
-        return desc
-
-    return dispatch
-
-
-def _make_v2_029(rec: _Record):
-    """0.29: ``dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
-    max_query_len=None)``."""
-    orig, best, slow = rec.orig, rec.best, _v2_slow
-
-    def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras,
-                 max_query_len=None):
-        desc = orig(num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len)
-        if desc.cg_mode is not best and max_query_len is not None:
-            slow(rec, desc.cg_mode, num_reqs, num_tokens, uniform_token_count,
-                 num_active_loras, max_query_len, 1)
-        return desc
-
-    return dispatch
-
-
-def _make_v2_027(rec: _Record):
-    """0.27.1: ``dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras)``."""
-    orig, best, slow = rec.orig, rec.best, _v2_slow
-
-    def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras):
-        desc = orig(num_reqs, num_tokens, uniform_token_count, num_active_loras)
-        if desc.cg_mode is not best and uniform_token_count is not None:
-            slow(rec, desc.cg_mode, num_reqs, num_tokens, uniform_token_count,
-                 num_active_loras, None, 1)
-        return desc
-
-    return dispatch
-
-
-_V1_SIGNATURES = {("self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras",
-                   "valid_modes", "invalid_modes"): _make_v1}
-_V2_SIGNATURES = {
-    ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras",
-     "max_query_len", "num_ubatches"): _make_v2,
-    ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras",
-     "max_query_len"): _make_v2_029,
-    ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"): _make_v2_027,
-}
-
-
-# ----------------------------------------------------------------------------- slow paths
 def _caller_locals(rec: _Record) -> dict | None:
     """Locals of the V1 runner frame that called ``dispatch`` (None if not found)."""
     code = rec.caller_code
@@ -290,7 +273,7 @@ def _v1_slow(rec, mode, num_tokens, uniform_decode, has_lora, num_active_loras,
             return
         if uniform_decode:
             q = min(rec.qs)
-            reason = _uniform_reason(rec, mode, num_tokens, has_lora,
+            reason = _uniform_reason(rec, num_tokens, has_lora,
                                      lambda: rec.orig(num_tokens, True, False, 0)[0])
             _report(rec, reason, mode, num_tokens,
                     f"uniform decode of {num_tokens // q} requests x {q} tokens")
@@ -310,10 +293,169 @@ def _v1_slow(rec, mode, num_tokens, uniform_decode, has_lora, num_active_loras,
         _trip(rec, exc)
 
 
+def _uniform_reason(rec, num_tokens, has_lora, without_lora) -> str:
+    if has_lora and without_lora() is rec.best:
+        return "lora"
+    if num_tokens > rec.max_size:
+        return "over_max_capture_size"
+    return "not_captured_for_draft_length"
+
+
+# ----------------------------------------------------------------------------- V2
+class _MissFactory:
+    """Stands in for ``BatchExecutionDescriptor`` in ``vllm.v1.worker.gpu.cudagraph_utils``
+    while a V2 owner is armed. At runtime only ``CudaGraphManager.dispatch``'s miss path
+    constructs a descriptor there (a graphed batch returns a stored one), so hits cost
+    nothing. Transparent: builds the real class, answers ``isinstance`` and attribute
+    lookups for it."""
+
+    installed: "_MissFactory | None" = None
+
+    def __init__(self, cls, dispatch_code, none):
+        self.cls, self.code, self.none = cls, dispatch_code, none
+        self.decode_max = 0          # widest decode batch of any armed V2 owner, in tokens
+
+    def __call__(self, *args, **kwargs):
+        desc = self.cls(*args, **kwargs)
+        if (kwargs.get("cg_mode") is self.none
+                and 0 < kwargs.get("num_tokens", 0) <= self.decode_max):
+            frame = sys._getframe(1)
+            if frame.f_code is self.code:
+                _v2_miss(frame.f_locals)
+        return desc
+
+    def __instancecheck__(self, obj) -> bool:
+        return isinstance(obj, self.cls)
+
+    def __getattr__(self, name):
+        return getattr(self.cls, name)
+
+    @classmethod
+    def install(cls, owner) -> None:
+        if cls.installed is not None:
+            return
+        from vllm.v1.worker.gpu import cudagraph_utils as cu
+
+        code = inspect.unwrap(cu.CudaGraphManager.dispatch).__code__
+        cls.installed = cls(cu.BatchExecutionDescriptor, code, _none())
+        cu.BatchExecutionDescriptor = cls.installed
+
+    @classmethod
+    def remove(cls) -> None:
+        if cls.installed is None:
+            return
+        from vllm.v1.worker.gpu import cudagraph_utils as cu
+
+        if cu.BatchExecutionDescriptor is cls.installed:
+            cu.BatchExecutionDescriptor = cls.installed.cls
+        cls.installed = None
+
+
+_quiet = [0]
+
+
+class quiet:
+    """Dispatches made inside this block (probes, re-dispatches of ours) are not counted."""
+
+    def __enter__(self):
+        _quiet[0] += 1
+
+    def __exit__(self, *exc):
+        _quiet[0] -= 1
+        return False
+
+
+def _v2_miss(f_locals: dict) -> None:
+    rec = _records.get(id(f_locals.get("self")))
+    if rec is None or rec.suspended or _quiet[0]:
+        return
+    args = (f_locals.get("num_tokens"), f_locals.get("uniform_token_count"),
+            f_locals.get("max_query_len"))
+    if rec.last_gate == args:           # this batch was already counted at its gate
+        rec.last_gate = None
+        return
+    _v2_slow(rec, _none(), f_locals.get("num_reqs"), args[0], args[1],
+             f_locals.get("num_active_loras", 0), args[2], f_locals.get("num_ubatches", 1))
+
+
+class _Probe:
+    """A gate field that ``_is_compatible`` compares with ``>=``."""
+
+    __slots__ = ("gate", "field")
+
+    def __init__(self, gate, field):
+        self.gate, self.field = gate, field
+
+    def __ge__(self, value):
+        gate = self.gate
+        if self.field == "max_query_len":      # desc.max_query_len >= max_query_len
+            gate.mql = value
+            return True                        # go on to the num_reqs comparison
+        gate.passed(value)                     # desc.num_reqs >= num_reqs
+        return False                           # never compatible: PIECEWISE is tried next
+
+
+class _Gate:
+    """Sits in a V2 candidate list after the FULL decode descriptors, before the first
+    PIECEWISE one (0.29+, where ``_is_compatible`` checks ``max_query_len``). Dispatch reaches
+    it only when no FULL graph matched. For a batch with a prefill (``max_query_len`` None)
+    its comparisons are C-level and fail at once; for a decode-only batch they hand it
+    ``max_query_len`` and ``num_reqs``, then fail, so dispatch goes on to the PIECEWISE
+    descriptor exactly as before."""
+
+    __slots__ = ("rec", "num_tokens", "mql", "uniform_token_count", "max_query_len",
+                 "num_reqs", "cg_mode")
+
+    def __init__(self, rec, num_tokens):
+        self.rec, self.num_tokens, self.mql = rec, num_tokens, None
+        self.uniform_token_count = None          # passes for any batch
+        self.max_query_len = _Probe(self, "max_query_len")
+        self.num_reqs = _Probe(self, "num_reqs")
+        self.cg_mode = None
+
+    def passed(self, num_reqs) -> None:
+        rec, mql, n = self.rec, self.mql, self.num_tokens
+        if _quiet[0] or mql is None or mql > rec.qmax:
+            return
+        try:
+            u = mql if n == num_reqs * mql else None     # uniform, or ragged drafts
+            reason = "non_uniform_drafts" if u is None else "not_captured_for_draft_length"
+            rec.last_gate = (n, u, mql)
+            shape = f"{u} tokens each" if u is not None else f"1..{mql} tokens each"
+            _report(rec, reason, _piecewise(), n,
+                    f"decode of {num_reqs} requests, {shape} ({n} tokens)")
+        except Exception as exc:
+            _trip(rec, exc)
+
+
+def _piecewise():
+    _none()
+    return _MODES[1]
+
+
+def _place_gates(rec, owner) -> list:
+    """A gate in every candidate list that holds FULL decode descriptors followed by
+    PIECEWISE ones (FULL_AND_PIECEWISE): the FULL -> PIECEWISE fall-through point."""
+    piecewise = _piecewise()
+    placed = []
+    if rec.tail == 0:          # 0.27.1: _is_compatible has no max_query_len to read
+        return placed
+    for (num_tokens, _loras), candidates in owner._candidates.items():
+        idx = next((i for i, d in enumerate(candidates) if d.cg_mode == piecewise), None)
+        if idx is None or not any(
+                getattr(d, "uniform_token_count", None) is not None
+                or getattr(d, "max_query_len", None) is not None for d in candidates[:idx]):
+            continue
+        gate = _Gate(rec, num_tokens)
+        candidates.insert(idx, gate)
+        placed.append((candidates, gate))
+    return placed
+
+
 def _v2_slow(rec, mode, num_reqs, num_tokens, uniform_token_count, num_active_loras,
              max_query_len, num_ubatches) -> None:
     try:
-        if num_ubatches != 1 or num_reqs > rec.max_num_reqs:
+        if not num_tokens or num_ubatches != 1 or num_reqs is None or num_reqs > rec.max_num_reqs:
             return
         u = uniform_token_count
         if rec.tail:                     # the runner passes max_query_len=None with a prefill
@@ -333,41 +475,26 @@ def _v2_slow(rec, mode, num_reqs, num_tokens, uniform_token_count, num_active_lo
         else:
             def unlora():
                 args = (num_reqs, num_tokens, u, 0) + (max_query_len, num_ubatches)[:rec.tail]
-                return rec.orig(*args).cg_mode
-            reason = _uniform_reason(rec, mode, num_tokens, num_active_loras > 0, unlora)
+                with quiet():
+                    return rec.orig(*args).cg_mode
+            reason = _uniform_reason(rec, num_tokens, num_active_loras > 0, unlora)
         shape = f"{u} tokens each" if u is not None else f"1..{max_query_len} tokens each"
         _report(rec, reason, mode, num_tokens, f"decode of {num_reqs} requests, {shape}")
     except Exception as exc:
         _trip(rec, exc)
 
 
-def _uniform_reason(rec, mode, num_tokens, has_lora, without_lora) -> str:
-    if has_lora and without_lora() is rec.best:
-        return "lora"
-    if num_tokens > rec.max_size:
-        return "over_max_capture_size"
-    return "not_captured_for_draft_length"
-
-
+# ----------------------------------------------------------------------------- DP
 def after_dp_sync(args: tuple, kwargs: dict, result) -> None:
-    """``dispatch_cg_and_sync_dp`` returned with a DP sync: count a rank forced eager."""
+    """``sync_cudagraph_and_dp_padding`` returned: count a rank the agreement forced eager."""
     try:
-        desc = result[0]
-        none = _none()
-        if desc.cg_mode is not none:
-            return
         bound = _bind_dp(args, kwargs)
-        if bound.get("need_eager") or getattr(bound.get("dp_sync_state"), "eager", False):
-            return
-        manager = bound.get("cudagraph_manager")
-        rec = _records.get(id(manager)) if manager is not None else None
+        rec = _records.get(id(bound.get("cudagraph_manager")))
         if rec is None or rec.suspended:
             return
-        local = (bound["num_reqs"], bound["num_tokens"], bound["uniform_token_count"],
-                 bound.get("num_active_loras", 0))
-        local += (bound.get("max_query_len"), 1)[:rec.tail]
-        wanted = rec.orig(*local).cg_mode
-        if wanted is not none:
+        none = _none()
+        wanted = bound["desired_batch_desc"].cg_mode
+        if result[0].cg_mode is none and wanted is not none:
             _report(rec, "dp_sync_forced", none, bound["num_tokens"],
                     f"this rank's batch would have run {wanted.name}")
     except Exception as exc:
@@ -383,10 +510,9 @@ def _bind_dp(args, kwargs) -> dict:
     if not _dp_signature:
         from vllm.v1.worker.gpu import dp_utils
 
-        fn = inspect.unwrap(dp_utils.dispatch_cg_and_sync_dp)
+        fn = inspect.unwrap(dp_utils.sync_cudagraph_and_dp_padding)
         _dp_signature.append(inspect.signature(fn))
-    bound = _dp_signature[0].bind(*args, **kwargs)
-    return dict(bound.arguments)
+    return dict(_dp_signature[0].bind(*args, **kwargs).arguments)
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -398,7 +524,7 @@ def _report(rec, reason, mode, num_tokens, detail) -> None:
 
 
 def _trip(rec: _Record, exc: Exception) -> None:
-    """Fail open: an internal error removes this owner's counting closure."""
+    """Fail open: an internal error stops counting on this owner; vLLM is unchanged."""
     _records.pop(id(rec.owner_ref()), None)
     _uninstall(rec)
     once(logging.ERROR, ("internal", "cudagraph_fallback"),
