@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -487,31 +488,56 @@ def probe_environment(timeout: float = 300.0) -> dict:
                      f"({sys.executable}): {res.stderr.strip().splitlines()[-1:]}")
 
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"   # in a source checkout
+
+# name: (quick arguments, what the ratio means, parser of the script's output)
+_ALLOC_LINE = re.compile(r"allocator patch throughput ratio ([0-9.]+)(.*)")
+_DISPATCH_ROW = re.compile(r"^\s+(\S.*?)\s+(\d+) ns\s+(\d+) ns\s+([+-][0-9.]+)%.*"
+                           r"(OK|OVER TARGET)\s*$")
+
+
+def _parse_allocator(out: str) -> dict:
+    m = _ALLOC_LINE.search(out)
+    if not m:
+        return {}
+    return {"ratio": float(m.group(1)), "meaning": "KVCacheManager ops/s, B/A",
+            "detail": m.group(0).strip()}
+
+
+def _parse_dispatch(out: str) -> dict:
+    rows = [(float(m.group(4)), m.group(1)) for m in map(_DISPATCH_ROW.match, out.splitlines())
+            if m]
+    if not rows:
+        return {}
+    pct, case = max(rows)
+    return {"ratio": 1.0 + pct / 100.0, "meaning": "time per dispatch call, B/A, worst "
+            "graphed case", "detail": f"{case}: {pct:+.2f}% (target <= 3%)"}
+
+
+MICROBENCH = {
+    "allocator": (["--rounds", "3"], _parse_allocator),
+    "dispatch": (["--rounds", "5", "--calls", "1000"], _parse_dispatch),
+}
 
 
 def microbench(name: str, timeout: float) -> dict:
-    """``benchmarks/bench_<name>.py``'s ``measure(quick=True)`` (a dict with ``ratio``:
-    time with the plugin on / off), run in a child; n/a when the module is absent."""
+    """Run ``benchmarks/bench_<name>.py`` (plugin off/on side by side, in one child) with
+    quick arguments and read its summary: ``{"ratio", "meaning", "detail"}``; ``ratio`` is
+    None when the script is absent (an installed wheel) or its summary is missing."""
     path = BENCH_DIR / f"bench_{name}.py"
     if not path.is_file():
         return {"ratio": None, "detail": f"benchmarks/bench_{name}.py not present"}
-    code = ("import importlib.util, json, sys\n"
-            f"s = importlib.util.spec_from_file_location('bench', {str(path)!r})\n"
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
-            "f = getattr(m, 'measure', None)\n"
-            "r = f(quick=True) if f else {'ratio': None, 'detail': 'no measure() function'}\n"
-            "print('KVGUARD_BENCH ' + json.dumps(r, default=str))\n")
+    args, parse = MICROBENCH[name]
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=timeout, cwd=str(BENCH_DIR.parent))
+        res = subprocess.run([sys.executable, str(path), *args], capture_output=True,
+                             text=True, timeout=timeout, cwd=str(BENCH_DIR.parent))
     except subprocess.TimeoutExpired:
         return {"ratio": None, "detail": f"timed out after {timeout:.0f} s"}
-    for line in res.stdout.splitlines():
-        if line.startswith("KVGUARD_BENCH "):
-            return json.loads(line[len("KVGUARD_BENCH "):])
+    found = parse(res.stdout)
+    if found:
+        return found
     tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"ratio": None, "detail": f"failed: {tail[:120]}"}
+    return {"ratio": None, "detail": f"no summary line (exit {res.returncode}): {tail[:120]}"}
 
 
 def run_all(settings: dict, prog: Progress, report: dict) -> None:

@@ -121,9 +121,11 @@ def format_table(report: dict) -> str:
                 lines.append(f"  [{c['status']}] {c['name']}: {c['detail']}")
     mb = report.get("microbench") or {}
     for name, res in mb.items():
-        cell = (f"{res['ratio']:.3f}" if isinstance(res.get("ratio"), (int, float))
-                else f"n/a ({res.get('detail', 'not measured')})")
-        lines.append(f"{name} overhead B/A (micro-benchmark, this run): {cell}")
+        if isinstance(res.get("ratio"), (int, float)):
+            cell = f"{res['ratio']:.3f} ({res.get('meaning', 'B/A')}; {res.get('detail', '')})"
+        else:
+            cell = f"n/a ({res.get('detail', 'not measured')})"
+        lines.append(f"{name} micro-benchmark, this run: {cell}")
     if report.get("interrupted"):
         lines.append("INTERRUPTED: the table shows the scenarios finished before Ctrl-C")
     failed = [f"{sc['name']}: {c['name']}" for sc in report["scenarios"]

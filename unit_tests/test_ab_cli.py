@@ -177,8 +177,35 @@ def test_microbench_absent_is_na(tmp_path, monkeypatch):
     assert res["ratio"] is None and "bench_allocator.py not present" in res["detail"]
 
 
-def test_microbench_runs_measure_in_a_child(tmp_path, monkeypatch):
-    (tmp_path / "bench_dispatch.py").write_text(
-        "def measure(quick=False):\n    return {'ratio': 1.02, 'quick': quick}\n")
+def _fake_bench(tmp_path, name, text):
+    (tmp_path / f"bench_{name}.py").write_text(
+        "import sys\nprint(sys.argv[1:])\nprint(" + repr(text) + ")\n")
+
+
+def test_microbench_reads_the_allocator_summary_line(tmp_path, monkeypatch):
+    _fake_bench(tmp_path, "allocator", "lookahead 2: ...\nallocator patch throughput ratio "
+                "0.962 (target >= 0.95, stretch 0.98): meets the target")
     monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
-    assert ab.microbench("dispatch", 60) == {"ratio": 1.02, "quick": True}
+    res = ab.microbench("allocator", 60)
+    assert res["ratio"] == 0.962 and "meets the target" in res["detail"]
+
+
+def test_microbench_dispatch_reports_the_worst_case_with_a_target(tmp_path, monkeypatch):
+    _fake_bench(tmp_path, "dispatch", "\n".join([
+        "  V1 uniform decode, graphed (FULL, 100x4)    4310 ns     4383 ns    +2.30%  "
+        "( +1.69% fastest)  OK",
+        "  V1 fallback, counted (NONE, 130x4)          1738 ns    23755 ns   +1187.39%  "
+        "(+826.34% fastest)",
+        "  V2 uniform decode, graphed (FULL, 100x4)     361 ns      369 ns    +0.90%  "
+        "( +1.04% fastest)  OK"]))
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    res = ab.microbench("dispatch", 60)
+    assert res["ratio"] == pytest.approx(1.023)
+    assert res["detail"].startswith("V1 uniform decode, graphed")
+
+
+def test_microbench_without_its_summary_is_na(tmp_path, monkeypatch):
+    _fake_bench(tmp_path, "allocator", "something else")
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    res = ab.microbench("allocator", 60)
+    assert res["ratio"] is None and "no summary line" in res["detail"]
