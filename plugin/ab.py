@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -319,8 +320,9 @@ class Progress:
 
 
 def steps_for(settings: dict) -> int:
-    per = 2 * (2 + (1 if settings["warmup"] else 0) + settings["repeat"])
-    return 1 + per * len(settings["scenarios"]) + 2
+    warm = bool(settings["warmup"] or settings["rounds"] == "auto")
+    per = 2 * (2 + warm + settings["repeat"])      # starts, warm-ups, samples, stops
+    return per * len(settings["scenarios"]) + (2 if settings.get("microbench", True) else 0)
 
 
 # ---------------------------------------------------------------------------- running
@@ -352,7 +354,7 @@ class Side:
 
 
 def side_summary(side: Side, final: dict) -> dict:
-    """What the report keeps of one side (the raw result goes in under ``result``)."""
+    """What the report keeps of one side's result (see :func:`workload.Session.finish`)."""
     tokens = final.get("tokens_per_round")
     kv = final.get("kvguard") or {}
     died = bool(final.get("engine_died")) or side.died
@@ -402,7 +404,8 @@ def calibrate(settings: dict, sides: list[Side]) -> int:
 
 
 def run_scenario(sc: Scenario, settings: dict, prog: Progress,
-                 references: dict[str, dict]) -> dict:
+                 references: dict[str, dict], environment: dict) -> dict:
+    """Run one scenario's A/B; fills ``environment`` (versions, platform) on first use."""
     spec = scenario_spec(sc, settings)
     env_a, env_b, label_a, label_b = scenario_envs(sc, settings)
     sides = [Side("A", label_a, env_a), Side("B", label_b, env_b)]
@@ -412,7 +415,9 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
         for side in sides:                  # imports overlap; the engines start one by one
             side.proc = stack.enter_context(WorkloadProcess(spec, side.env))
         for side in sides:
-            side.proc.imported(timeout)
+            imported = side.proc.imported(timeout)
+            if imported.get("ok") and not environment.get("vllm"):
+                environment.update(platform=imported["platform"], **imported["versions"])
         for side in sides:
             prog.say(f"{sc.name}: starting engine {side.key} (plugin {side.label})")
             side.ready = side.proc.ready(timeout)
@@ -469,25 +474,6 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
             "ok": abstats.verdict(checks)}
 
 
-def probe_environment(timeout: float = 300.0) -> dict:
-    """Versions and platform, from a child that imports vLLM (and warms the file cache)."""
-    code = ("import json, os, platform, torch, vllm\n"
-            "from vllm.platforms import current_platform as p\n"
-            "print('KVGUARD_PROBE ' + json.dumps({'vllm': vllm.__version__, "
-            "'torch': torch.__version__, 'platform': p.device_type or 'unknown', "
-            "'python': platform.python_version(), 'cpus': os.cpu_count()}))\n")
-    try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"importing vLLM took more than {timeout:.0f} s; is it installed?")
-    for line in res.stdout.splitlines():
-        if line.startswith("KVGUARD_PROBE "):
-            return json.loads(line[len("KVGUARD_PROBE "):])
-    raise UsageError("vLLM cannot be imported by this Python "
-                     f"({sys.executable}): {res.stderr.strip().splitlines()[-1:]}")
-
-
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"   # in a source checkout
 
 # name: (quick arguments, what the ratio means, parser of the script's output)
@@ -542,16 +528,17 @@ def microbench(name: str, timeout: float) -> dict:
 
 def run_all(settings: dict, prog: Progress, report: dict) -> None:
     """Fill ``report`` scenario by scenario (so Ctrl-C leaves what was done)."""
-    report["environment"] = probe_environment()
-    prog.say(f"vLLM {report['environment']['vllm']} on {report['environment']['platform']}",
-             advance=1)
+    env = report["environment"]
+    env.update(python=platform.python_version(), cpus=os.cpu_count())
     references: dict[str, dict] = {}
     for name in settings["scenarios"]:
-        report["scenarios"].append(run_scenario(SCENARIOS[name], settings, prog, references))
+        report["scenarios"].append(
+            run_scenario(SCENARIOS[name], settings, prog, references, env))
     if settings.get("microbench", True):
-        for name in ("allocator", "dispatch"):
+        for name in MICROBENCH:
             report["microbench"][name] = microbench(name, settings["timeout"])
-            prog.say(f"micro-benchmark {name}: {report['microbench'][name]}", advance=1)
+            prog.say(f"micro-benchmark {name}: {report['microbench'][name].get('ratio')}",
+                     advance=1)
 
 
 def _interrupt(signum, frame):
@@ -592,9 +579,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _stop_on_signals():
             run_all(settings, prog, report)
-    except UsageError as exc:
-        prog.close()
-        parser.error(str(exc))
     except KeyboardInterrupt:
         report["interrupted"] = True                 # children were killed on the way out
     finally:

@@ -12,7 +12,8 @@ timeout. The engine runs in-process inside that interpreter unless ``multiproces
 ``python -m vllm_kvguard.workload --serve SPEC`` keeps the engine and takes commands on
 stdin, one a line (the A/B tool interleaves the rounds of two such engines):
 
-* once vLLM is imported it prints ``KVGUARD_WORKLOAD_IMPORTED {"ok", "import_s", "error"}``
+* once vLLM is imported it prints ``KVGUARD_WORKLOAD_IMPORTED {"ok", "import_s", "platform",
+  "versions", "error"}``
   (several children can import at once; the plugin activates only when the engine is built);
 * ``start`` builds the engine and prints ``KVGUARD_WORKLOAD_READY {"ok", "startup_s",
   "engine_s", "import_s", "error"}`` (``engine_s``: ``LLM(...)`` alone);
@@ -121,10 +122,12 @@ class Session:
             return self.out["error"] is None
         t0 = time.perf_counter()
         try:
-            import vllm  # noqa: F401
+            import torch
+            import vllm
             from vllm.platforms import current_platform
 
             self.out["platform"] = current_platform.device_type or "unknown"
+            self.out["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
         except Exception as exc:
             self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
                             startup_failed=True)
@@ -271,8 +274,8 @@ def serve(spec: dict, commands=None) -> int:
     commands = sys.stdin if commands is None else commands
     session = Session(spec)
     ok = session.import_vllm()
-    _emit(IMPORTED_TAG, {"ok": ok, "import_s": session.out.get("import_s"),
-                         "error": session.out["error"]})
+    _emit(IMPORTED_TAG, {"ok": ok, **{k: session.out.get(k) for k in (
+        "import_s", "platform", "versions", "error")}})
     for line in commands:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "start":

@@ -11,8 +11,8 @@ from vllm_kvguard import ab
 
 @pytest.fixture
 def no_engine(mocker):
-    """Any attempt to import vLLM or start an engine fails the test."""
-    mocker.patch.object(ab, "probe_environment", side_effect=AssertionError("vLLM probed"))
+    """Any attempt to start an engine or a benchmark fails the test."""
+    mocker.patch.object(ab, "microbench", side_effect=AssertionError("benchmark started"))
     mocker.patch.object(ab, "WorkloadProcess", side_effect=AssertionError("engine started"))
     mocker.patch.object(ab, "run_in_subprocess", side_effect=AssertionError("engine started"))
 
@@ -123,8 +123,6 @@ def test_calibrate_rounds_to_the_sample_duration():
 def fake_run(mocker, tmp_path, monkeypatch):
     """main() with scenarios replaced by canned results (no engine)."""
     monkeypatch.chdir(tmp_path)
-    mocker.patch.object(ab, "probe_environment",
-                        return_value={"vllm": "0.32.0", "platform": "cpu", "cpus": 2})
     return mocker.patch.object(ab, "run_scenario")
 
 
