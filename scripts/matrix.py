@@ -22,6 +22,7 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -77,7 +78,7 @@ def run_suite(name: str, cmd: list[str], env: dict) -> dict:
     return {"ok": ok, "rc": rc, "seconds": secs, "note": note}
 
 
-def run_pin(pin: pinned.Pin, out: Path, args) -> dict:
+def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     d = out / pin.name
     d.mkdir(parents=True, exist_ok=True)
     for stale in ("unit.xml", "integration.xml", "facts.jsonl", "probe.json", "timings.json"):
@@ -85,16 +86,19 @@ def run_pin(pin: pinned.Pin, out: Path, args) -> dict:
     rec: dict = {"pin": pin.name, "requirement": pin.requirement, "ok": True}
     print(f"\n==== vLLM {pin.name} ({pin.requirement})", flush=True)
     try:
-        info = pinned.ensure(pin, REPO, rebuild=args.rebuild)
+        t0 = time.monotonic()
+        info = (venv_future.result() if venv_future is not None
+                else pinned.ensure(pin, REPO, rebuild=args.rebuild))
+        waited = round(time.monotonic() - t0, 1)
     except (pinned.InstallError, OSError) as exc:
         print(f"matrix: venv for {pin.name} failed: {exc}", file=sys.stderr, flush=True)
         rec.update(ok=False, venv={"ok": False, "error": str(exc)})
         (d / "timings.json").write_text(json.dumps(rec, indent=1))
         return rec
     rec["venv"] = {"ok": True, "built": info["built"], "seconds": info["seconds"],
-                   "steps": info["steps"], "path": info["path"]}
-    print(f"venv {'built' if info['built'] else 'reused'} in {_fmt(info['seconds'])}: "
-          f"{info['path']}", flush=True)
+                   "waited": waited, "steps": info["steps"], "path": info["path"]}
+    print(f"venv {'built' if info['built'] else 'reused'} in {_fmt(info['seconds'])} "
+          f"(waited {_fmt(waited)}): {info['path']}", flush=True)
     env = {**os.environ,
            "KVGUARD_PIN": pin.name,
            "KVGUARD_FACTS_FILE": str(d / "facts.jsonl"),
@@ -126,11 +130,13 @@ def run_pin(pin: pinned.Pin, out: Path, args) -> dict:
 
 
 def timing_table(recs: list[dict], total: float) -> str:
-    lines = [f"{'pin':8} {'venv':>16} {'unit':>9} {'integration':>18} {'probe':>7}  result"]
+    lines = [f"{'pin':8} {'venv':>16} {'waited':>8} {'unit':>9} {'integration':>18} {'probe':>7}"
+             f"  result"]
     for r in recs:
         v = r.get("venv", {})
         venv = ("FAILED" if not v.get("ok") else
                 f"{_fmt(v['seconds'])} {'built' if v['built'] else 'reused'}")
+        waited = _fmt(v.get("waited"))
         unit = _fmt(r["unit"]["seconds"]) if "unit" in r else "-"
         integ = (f"{_fmt(r['integration']['seconds'])} ({r['integration']['suite']})"
                  if "integration" in r else "-")
@@ -138,7 +144,8 @@ def timing_table(recs: list[dict], total: float) -> str:
         notes = [f"{k}: {r[k]['note']}" for k in ("unit", "integration")
                  if k in r and r[k].get("note")]
         result = ("ok" if r["ok"] else "FAILED") + (f" ({'; '.join(notes)})" if notes else "")
-        lines.append(f"{r['pin']:8} {venv:>16} {unit:>9} {integ:>18} {probe:>7}  {result}")
+        lines.append(f"{r['pin']:8} {venv:>16} {waited:>8} {unit:>9} {integ:>18} {probe:>7}"
+                     f"  {result}")
     lines.append(f"total {_fmt(total)}")
     return "\n".join(lines)
 
@@ -183,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                     default=Path(os.environ.get("KVGUARD_RESULTS_DIR", REPO / "build" / "matrix")),
                     help="results folder (default: build/matrix, or $KVGUARD_RESULTS_DIR)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the venvs")
+    ap.add_argument("--build-ahead", action="store_true",
+                    help="build the next pins' venvs in the background while tests run "
+                         "(a fresh CI machine: saves most of the install time)")
     ap.add_argument("--table", action="store_true",
                     help="only print the truth table of the last run's results")
     args = ap.parse_args(argv)
@@ -207,11 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     recs = []
-    for pin in pins:
-        recs.append(run_pin(pin, out, args))
+    builder = futures = None
+    if args.build_ahead:       # one builder thread: the next pin's venv builds during tests
+        builder = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        futures = [builder.submit(pinned.ensure, pin, REPO, args.rebuild) for pin in pins]
+    for i, pin in enumerate(pins):
+        recs.append(run_pin(pin, out, args, futures[i] if futures else None))
         (out / "matrix.json").write_text(json.dumps(
             {"pins": [r["pin"] for r in recs], "runs": recs}, indent=1))
     total = time.monotonic() - t0
+    if builder is not None:
+        builder.shutdown()
 
     print("\n==== per-pin timings")
     print(timing_table(recs, total))
