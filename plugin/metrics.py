@@ -83,7 +83,7 @@ def setup(registry=None) -> None:
             return
         directory = os.environ.get(ENV_DIR)
         if not directory or not os.path.isdir(directory):
-            directory = tempfile.mkdtemp(prefix="kvguard-metrics-")
+            directory = tempfile.mkdtemp(prefix=f"kvguard-metrics-{os.getpid()}-")
             os.environ[ENV_DIR] = directory
             _state["created"] = True
         _state["dir"] = directory
@@ -111,6 +111,9 @@ def teardown() -> None:
         timer = _state["timer"]
         if timer is not None:
             timer.cancel()
+    if timer is not None and timer is not threading.current_thread():
+        timer.join(timeout=5)              # a flush already running finishes first
+    with _lock:
         if _state["created"] and _state["dir"]:
             shutil.rmtree(_state["dir"], ignore_errors=True)
             if os.environ.get(ENV_DIR) == _state["dir"]:
