@@ -67,7 +67,8 @@ def test_suggestion_when_no_bare_max_covers():
     of 900 to its 16-step grid (896, vllm#54933) and FULL decode keys stop at 900, so no
     bare max covers 300 requests: the verified fix is an explicit list."""
     k2 = {**NGRAM3, "num_speculative_tokens": 2}
-    row = coverage.audit(coverage.plan_owner(plan(max_num_seqs=300, speculative_config=k2))).row(q=3)
+    vc = plan(max_num_seqs=300, speculative_config=k2)
+    row = coverage.audit(coverage.plan_owner(vc)).row(q=3)
     assert row.first_gap is not None
     for bare in (900, 912):
         vc = plan(max_num_seqs=300, speculative_config=k2,
@@ -166,7 +167,7 @@ def test_v2_probe_matches_the_real_constructor(mocker):
 
     vc = plan("v2", mode="FULL_AND_PIECEWISE")
     pp = mocker.Mock(is_first_rank=True, is_last_rank=True)
-    mocker.patch.object(cudagraph_utils, "get_pp_group", return_value=pp)   # needs torch.distributed
+    mocker.patch.object(cudagraph_utils, "get_pp_group", return_value=pp)  # torch.distributed
     mocker.patch.object(cudagraph_utils.current_platform, "get_global_graph_pool",
                         return_value=None, create=True)                     # needs a GPU
     mode = vc.compilation_config.cudagraph_mode

@@ -94,7 +94,8 @@ def test_v1_uniform_decode_over_max_is_counted_and_warned_once(fdo, kvguard_log)
     assert counts() == {"over_max_capture_size": 2}
     lines = warnings(kvguard_log)
     assert len(lines) == 1
-    assert "ran eager (over_max_capture_size" in lines[0] and "max_cudagraph_capture_size" in lines[0]
+    assert "ran eager (over_max_capture_size" in lines[0]
+    assert "max_cudagraph_capture_size" in lines[0]
 
 
 def test_v1_ragged_drafts_under_full_decode_only(fdo, kvguard_log):
@@ -242,7 +243,7 @@ def test_v2_graphed_batches_go_through_untouched(fdo_v2):
     kw = {"max_query_len": 4} if coverage._v2_takes_max_query_len(type(m)) else {}
     desc = m.dispatch(100, 400, 4, 0, **kw)
     assert any(desc is d for d in m._candidates[(400, 0)])
-    assert isinstance(desc, cudagraph_utils.BatchExecutionDescriptor)   # the stand-in is transparent
+    assert isinstance(desc, cudagraph_utils.BatchExecutionDescriptor)   # a transparent stand-in
     fallbacks.disarm_all()
     assert cudagraph_utils.BatchExecutionDescriptor is real_cls
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard import activation  # noqa: E402
-from vllm_kvguard.fixes import coverage, fallbacks  # noqa: E402
+from vllm_kvguard.fixes import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
 
@@ -201,3 +201,21 @@ def test_internal_error_in_a_hook_fails_open(mocker, kvguard_log):
                                          (None,), {}) == "vllm"
     assert any("internal error in patch 'cudagraph'" in m
                for m in kvguard_log.lines(logging.ERROR))
+
+
+def test_missing_optional_target_is_skipped_with_a_note(monkeypatch):
+    from vllm.v1.worker.gpu import dp_utils
+
+    monkeypatch.delattr(dp_utils, "sync_cudagraph_and_dp_padding")
+    res = activate()["cudagraph"]
+    assert res.startswith("applied") and "sync_cudagraph_and_dp_padding absent" in res
+
+
+def test_missing_required_target_skips_the_patch(monkeypatch, kvguard_log):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.delattr(GPUModelRunner, "capture_model")
+    res = activate()["cudagraph"]
+    assert res.startswith("skipped") and "GPUModelRunner.capture_model" in res
+    assert activation.wrapped_targets() == []
+    assert any("patch 'cudagraph' skipped" in m for m in kvguard_log.lines(logging.WARNING))

@@ -284,7 +284,8 @@ def _v1_slow(rec, mode, num_tokens, uniform_decode, has_lora, num_active_loras,
         if ctx is None:
             return
         num_reqs, widest = ctx.get("num_reqs"), ctx.get("max_num_scheduled_tokens")
-        if num_reqs is None or widest is None or widest > rec.qmax or num_tokens > num_reqs * widest:
+        if (num_reqs is None or widest is None or widest > rec.qmax
+                or num_tokens > num_reqs * widest):
             return                     # a prefill chunk wider than a decode step
         _report(rec, "non_uniform_drafts", mode, num_tokens,
                 f"decode of {num_reqs} requests with 1..{widest} tokens each "
