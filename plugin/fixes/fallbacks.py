@@ -367,8 +367,9 @@ class quiet:
 
 
 def _v2_miss(f_locals: dict) -> None:
-    rec = _records.get(id(f_locals.get("self")))
-    if rec is None or rec.suspended or _quiet[0]:
+    owner = f_locals.get("self")
+    rec = _records.get(id(owner))
+    if rec is None or rec.suspended or _quiet[0] or rec.owner_ref() is not owner:
         return
     args = (f_locals.get("num_tokens"), f_locals.get("uniform_token_count"),
             f_locals.get("max_query_len"))
@@ -490,8 +491,9 @@ def after_dp_sync(args: tuple, kwargs: dict, result) -> None:
     """``sync_cudagraph_and_dp_padding`` returned: count a rank the agreement forced eager."""
     try:
         bound = _bind_dp(args, kwargs)
-        rec = _records.get(id(bound.get("cudagraph_manager")))
-        if rec is None or rec.suspended:
+        manager = bound.get("cudagraph_manager")
+        rec = _records.get(id(manager))
+        if rec is None or rec.suspended or rec.owner_ref() is not manager:
             return
         none = _none()
         wanted = bound["desired_batch_desc"].cg_mode
