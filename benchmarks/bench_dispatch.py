@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     def runner_step(runner, per_request):
         sched = np.array(per_request, dtype=np.int32)
         n, widest = int(sched.sum()), int(sched.max())
+        runner.input_batch.num_reqs = len(per_request)
         return lambda: runner._determine_batch_execution_and_padding(
             num_tokens=n, num_reqs=len(per_request), num_scheduled_tokens_np=sched,
             max_num_scheduled_tokens=widest, use_cascade_attn=False)
@@ -107,8 +108,11 @@ def main(argv=None) -> int:
     row("V1 runner step, graphed decode (100x4)",
         measure(runner_step(r_bare, [4] * 100), runner_step(r_armed, [4] * 100), a.rounds,
                 a.calls))
-    row("V1 runner step, small mixed batch (frame read)",
+    row("V1 runner step, mixed (50 decodes + 100-tok chunk)",
         measure(runner_step(r_bare, [4] * 50 + [100]), runner_step(r_armed, [4] * 50 + [100]),
+                a.rounds, a.calls))
+    row("V1 runner step, ragged decode (counted)",
+        measure(runner_step(r_bare, [4] * 50 + [2, 3]), runner_step(r_armed, [4] * 50 + [2, 3]),
                 a.rounds, a.calls))
     row("V1 fallback, counted (NONE, 130x4)",
         measure(v1(bare1, 520, True), v1(armed1, 520, True), a.rounds, a.calls // 4))
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     row("V2 prefill/mixed batch (PIECEWISE, 300 tok)",
         measure(v2(bare2, 3, 300, None, None), v2(armed2, 3, 300, None, None), a.rounds,
                 a.calls))
-    row("V2 large prefill batch (NONE by design, 3000 tok)",
+    row("V2 large prefill (NONE by design, 3000 tok)",
         measure(v2(bare2, 3, 3000, None, None), v2(armed2, 3, 3000, None, None), a.rounds,
                 a.calls))
     row("V2 fallback, counted (NONE, 130x4)",

@@ -71,6 +71,7 @@ def v1_runner(vc, dp_size=1):
 def step(runner, per_request: list[int], **kw):
     """One V1 step's dispatch, through vLLM's own runner method."""
     sched = np.array(per_request, dtype=np.int32)
+    runner.input_batch.num_reqs = len(per_request)       # as the runner's own batch says
     mode, desc, *_ = runner._determine_batch_execution_and_padding(
         num_tokens=int(sched.sum()), num_reqs=len(per_request), num_scheduled_tokens_np=sched,
         max_num_scheduled_tokens=int(sched.max()), use_cascade_attn=False, **kw)

@@ -920,7 +920,7 @@ def plan_v1_runner(vllm_config, dp_size: int = 1):
         parallel_config=parallel, compilation_config=vllm_config.compilation_config,
         model_config=vllm_config.model_config,
         uniform_decode_query_len=1 + _num_spec(vllm_config),
-        input_batch=SimpleNamespace(lora_id_to_lora_request={}),
+        input_batch=SimpleNamespace(lora_id_to_lora_request={}, num_reqs=0),
         cudagraph_dispatcher=plan_owner(vllm_config).obj)
     return runner
 

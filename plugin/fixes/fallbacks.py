@@ -280,6 +280,10 @@ def _v1_slow(rec, mode, num_tokens, uniform_decode, has_lora, num_active_loras,
             return
         if num_tokens > rec.max_decode_tokens:
             return
+        batch = getattr(rec.runner_ref(), "input_batch", None)
+        n = getattr(batch, "num_reqs", None)
+        if isinstance(n, int) and num_tokens > n * rec.qmax:
+            return                     # some request has more than a decode step's tokens
         ctx = _caller_locals(rec)
         if ctx is None:
             return
