@@ -225,6 +225,18 @@ def test_lora_cases_are_families():
     assert all(r.first_gap == 129 for r in cov.rows if r.family.q == 4)
 
 
+def test_lora_without_specialization_leaves_adapterless_decodes_eager():
+    """Found by the audit (V1): with cudagraph_specialize_lora off, graphs are captured
+    only for the LoRA case, so a decode batch with no active adapter runs eager."""
+    vc = plan(max_num_seqs=64, speculative_config=None, enable_lora=True, max_loras=2,
+              max_lora_rank=8, compilation_config={"cudagraph_specialize_lora": False})
+    cov = coverage.audit(coverage.plan_owner(vc))
+    plain = cov.row(q=1, lora=0)
+    assert plain.covered == 0 and plain.reason == "lora"
+    assert "cudagraph_specialize_lora=true" in plain.fix
+    assert all(r.ok for r in cov.rows if r.family.lora)
+
+
 # ----------------------------------------------------------------------------- padding target
 def test_block_pool_reserves_block_zero():
     from vllm.v1.core.block_pool import BlockPool

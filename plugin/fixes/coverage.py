@@ -343,8 +343,9 @@ class Coverage:
 def _gap_reason(owner: GraphOwner, fam: Family, n: int) -> str:
     if fam.no_draft:
         return "not_captured_for_draft_length"
-    if fam.lora and owner.probe(n, fam.q, 0)[0] == owner.intended():
-        return "lora"
+    other = [0] if fam.lora else [c for c in owner.lora_cases() if c]
+    if any(owner.probe(n, fam.q, c)[0] == owner.intended() for c in other):
+        return "lora"                    # the other LoRA case has this graph
     if n * fam.q > owner.max_capture_size:
         return "over_max_capture_size"
     return "not_captured_for_draft_length"
@@ -482,6 +483,9 @@ def suggest_fix(owner: GraphOwner, fc: FamilyCoverage) -> tuple[str, dict]:
                     "runs them PIECEWISE instead of eager", {})
         return "zero-draft steps have no decode graph at this draft length", {}
     if fc.reason == "lora":
+        if not fam.lora:
+            return ("batches without an active LoRA adapter have no graph: compilation_config "
+                    "cudagraph_specialize_lora=true captures them", {})
         return ("LoRA batches miss their graph: keep cudagraph_specialize_lora on and check "
                 "max_loras", {})
     vc = owner.vllm_config
