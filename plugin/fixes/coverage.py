@@ -795,7 +795,9 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
     from vllm_kvguard.tiny_models import write_model
 
     user_cc = dict(engine_kwargs.pop("compilation_config", None) or {})
-    kw = dict(model=model or write_model("llama"), load_format="dummy",
+    if model is None:
+        model = _TINY.get("llama") or _TINY.setdefault("llama", write_model("llama"))
+    kw = dict(model=model, load_format="dummy",
               skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048)
     kw.update(engine_kwargs)
     with _some_platform():
@@ -819,6 +821,9 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
                                         "FLASH_ATTN", 1 + _num_spec(vc),
                                         use_v2_model_runner=(runner == "v2"))
     return vc
+
+
+_TINY: dict[str, str] = {}        # one tiny model config per process
 
 
 class _some_platform:
