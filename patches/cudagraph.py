@@ -121,10 +121,7 @@ def _setup():
 
 
 def _teardown():
-    from vllm_kvguard import metrics
-
     fallbacks.disarm_all()
-    metrics.teardown()
 
 
 PATCH = Patch(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 
 from vllm_kvguard import __version__
@@ -43,8 +44,20 @@ def activate(env=None) -> dict[str, str] | None:
         for patch in select_patches(fl):
             res[patch.name] = _apply_one(patch, version, fl.force)
         _state["results"] = res
+        if any(r.startswith("applied") for r in res.values()):
+            _export_metrics()
         logger.info("%s", startup_line(version, res))
         return res
+
+
+def _export_metrics() -> None:
+    """Counters of every patch on vLLM's own ``/metrics`` (vllm_kvguard.metrics)."""
+    try:
+        from vllm_kvguard import metrics
+
+        metrics.setup()
+    except Exception as exc:  # fail open: metrics are a view, never a reason to stop
+        logger.warning("vllm-kvguard: metrics export off (%s: %s)", type(exc).__name__, exc)
 
 
 def _apply_one(patch, version, force: bool) -> str:
@@ -72,8 +85,6 @@ def wrapped_targets() -> list[str]:
     Checked on the live objects (not our bookkeeping), so tests can ask any process,
     e.g. workers through ``LLM.collective_rpc``.
     """
-    import sys
-
     if "vllm_kvguard.patches" not in sys.modules:     # never activated here: nothing to find
         return []
     from vllm_kvguard.patches import ALL_PATCHES
@@ -105,5 +116,7 @@ def deactivate() -> None:
     with _lock:
         for patch in ALL_PATCHES:
             patch.revert()
+        if "vllm_kvguard.metrics" in sys.modules:
+            sys.modules["vllm_kvguard.metrics"].teardown()
         _state["flags"] = None
         _state["results"] = None

@@ -10,7 +10,8 @@
 ``KVGUARD_FAULTS``             test-only allocator fault injection, e.g. ``every=7`` or
                                ``rate=0.1,seed=3,after=20``. Loudly logged when on.
 ``KVGUARD_LIVENESS_STEPS``     steps without progress before the liveness guard acts (default 64).
-``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape.
+``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape;
+                               ``force``: also extend an explicit user capture list.
 =============================  ==============================================================
 
 Bad values never raise: :func:`read_flags` returns them as ``errors`` (one clear line
@@ -49,6 +50,7 @@ class Flags:
     faults: FaultSpec | None = None
     liveness_steps: int = 64
     cudagraph_complete: bool = False
+    cudagraph_complete_force: bool = False
     errors: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -126,6 +128,15 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
             errors.append(f"KVGUARD_LIVENESS_STEPS={raw!r} is not a whole number >= 1; using 64")
             liveness = 64
 
+    complete = env.get("KVGUARD_CUDAGRAPH_COMPLETE", "").strip().lower()
+    complete_force = complete == "force"
+    if complete_force:
+        env = {**env, "KVGUARD_CUDAGRAPH_COMPLETE": "1"}
+    elif complete and complete not in ON + OFF:
+        errors.append(f"KVGUARD_CUDAGRAPH_COMPLETE={complete!r} is not valid; use one of 1, on, "
+                      f"force, 0, off (unset means off); treating it as off")
+        env = {**env, "KVGUARD_CUDAGRAPH_COMPLETE": "0"}
+
     return Flags(
         enabled=enabled,
         patches=patches,
@@ -134,5 +145,6 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
         faults=faults,
         liveness_steps=liveness,
         cudagraph_complete=_bool(env, "KVGUARD_CUDAGRAPH_COMPLETE", errors),
+        cudagraph_complete_force=complete_force,
         errors=tuple(errors),
     )

@@ -98,10 +98,16 @@ def setup(registry=None) -> None:
         collector = KvguardCollector()
         registry.register(collector)
         _state["collector"], _state["registry"] = collector, registry
+    from vllm_kvguard import report
+
+    report.on_change(changed)
 
 
 def teardown() -> None:
     """Unregister the collector, stop the timer, remove a directory this process made."""
+    from vllm_kvguard import report
+
+    report.remove_listener(changed)
     with _lock:
         if _state["collector"] is not None:
             try:

@@ -11,11 +11,25 @@ from collections import defaultdict
 
 _lock = threading.Lock()
 _counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_listeners: list = []
 
 
 def count(category: str, reason: str = "total", n: int = 1) -> None:
     with _lock:
         _counters[category][reason] += n
+    for listener in _listeners:
+        listener()
+
+
+def on_change(listener) -> None:
+    """Call ``listener()`` after every :func:`count` (the metrics export uses it)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_listener(listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 def snapshot() -> dict[str, dict[str, int]]:

@@ -40,6 +40,13 @@ def test_empty_patch_list_is_an_error():
     assert fl.patches == () and "(empty)" in fl.errors[0]
 
 
+def test_cudagraph_complete_force():
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_CUDAGRAPH_COMPLETE": "force"})
+    assert fl.cudagraph_complete and fl.cudagraph_complete_force and not fl.errors
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_CUDAGRAPH_COMPLETE": "on"})
+    assert fl.cudagraph_complete and not fl.cudagraph_complete_force
+
+
 @pytest.mark.parametrize("name", ["KVGUARD_FORCE", "KVGUARD_AUDIT", "KVGUARD_CUDAGRAPH_COMPLETE"])
 def test_bad_boolean_flags_name_themselves(name):
     fl = read_flags({"KVGUARD": "1", name: "perhaps"})

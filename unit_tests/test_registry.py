@@ -204,3 +204,21 @@ def test_missing_required_target_fails_apply_with_its_name():
     with pytest.raises(LookupError, match="KVCacheManager.no_such"):
         patch.apply()
     assert not patch.applied
+
+
+def test_every_patch_exports_its_counters_on_vllms_registry():
+    """Not only cudagraph: any activated patch registers the collector, and a count made
+    later (e.g. a rollback in EngineCore) is published for the API server's /metrics."""
+    from prometheus_client import REGISTRY
+
+    from vllm_kvguard import metrics, report
+
+    activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
+    report.count("rollback", "InjectedFault")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in REGISTRY.collect() for s in fam.samples
+               if s.name.startswith("kvguard_events")}
+    key = ("kvguard_events_total", (("category", "rollback"), ("reason", "InjectedFault")))
+    assert samples.get(key) == 1.0
+    activation.deactivate()
+    assert metrics._state["collector"] is None

@@ -25,9 +25,7 @@ def register_warmup_fixes() -> None:
 
 
 def register_cudagraph_fixes() -> None:
-    from vllm_kvguard import metrics
     from vllm_kvguard.fixes import coverage, fallbacks
 
     register(coverage, "kvguard.coverage")
     register(fallbacks, "kvguard.fallbacks")
-    metrics.setup()

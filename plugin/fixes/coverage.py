@@ -696,7 +696,7 @@ def kvguard_cudagraph_before_kv_init(runner, kv_cache_config, is_profiling):
     if not fl.cudagraph_complete or is_profiling:
         return
     result = complete(runner, kv_cache_config,
-                      force=bool(getattr(fl, "cudagraph_complete_force", False)))
+                      force=fl.cudagraph_complete_force)
     if result is None:
         return
     if result.skipped:

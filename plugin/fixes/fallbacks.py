@@ -541,10 +541,9 @@ def _trip(rec: _Record, exc: Exception) -> None:
 
 @hookimpl
 def kvguard_cudagraph_fallback(owner, reason, mode, num_tokens, detail):
-    from vllm_kvguard import metrics, report
+    from vllm_kvguard import report
 
-    report.count(CATEGORY, reason)
-    metrics.changed()
+    report.count(CATEGORY, reason)       # reaches /metrics through metrics.changed
     once(logging.WARNING, (CATEGORY, reason),
          "vllm-kvguard: a batch the CUDA-graph configuration meant to graph ran %s (%s: %s). "
          "Fix: %s. Counted in kvguard_cudagraph_fallbacks_total{reason=\"%s\"}; this warning "
