@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail if the median throughput ratio B/A is below this (default 0.97)")
     p.add_argument("--faults", default="every=7",
                    help="KVGUARD_FAULTS schedule of alloc-faults (default every=7)")
+    p.add_argument("--threads", default="auto",
+                   help="OpenMP threads per engine, the same for A and B. auto (default): "
+                        "1 with a CPU build of vLLM (its core binding off), so the two "
+                        "engines and other processes on a small machine do not stall each "
+                        "other's bound threads; untouched on a GPU build. 0: vLLM's own "
+                        "setting. N: N threads, core binding off")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, help="requests per round (scenario default)")
     g.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
@@ -251,10 +257,20 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                              f"{out!r} (directory {str(parent)!r} missing or read-only)")
     workload = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "max_tokens")
                 if getattr(args, k) is not None}
+    try:
+        threads = (1 if cpu_build_of_vllm() else 0) if args.threads == "auto" else int(
+            args.threads)
+        if threads < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--threads: {args.threads!r} is not auto or a whole number >= 0")
+    thread_env = {} if not threads else {"OMP_NUM_THREADS": str(threads),
+                                         "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     return {"scenarios": names, "model": model, "overrides": overrides, "workload": workload,
             "repeat": args.repeat, "rounds": rounds, "warmup": args.warmup,
             "sample_seconds": args.sample_seconds, "tolerance": args.tolerance,
             "faults": args.faults, "multiprocess": args.multiprocess,
+            "thread_env": thread_env,
             "timeout": args.timeout}
 
 
@@ -271,12 +287,27 @@ def scenario_spec(sc: Scenario, settings: dict) -> dict:
             **sc.workload, **settings["workload"], "multiprocess": settings["multiprocess"]}
 
 
+def cpu_build_of_vllm() -> bool:
+    """vllm-cpu, or a ``+cpu`` source build (package metadata only: no vLLM import)."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return dist == "vllm-cpu" or "cpu" in version
+    return False
+
+
 def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
+    """The environment of A and B (the plugin's flags; thread settings identical on both)."""
+    common = settings.get("thread_env", {})
     if sc.faults:
-        faults = {"KVGUARD": "1", "KVGUARD_FAULTS": settings["faults"]}
+        faults = {**common, "KVGUARD": "1", "KVGUARD_FAULTS": settings["faults"]}
         return ({**faults, "KVGUARD_PATCHES": "none"}, {**faults, **sc.env_b},
                 "faults only", "on + faults")
-    return {}, {"KVGUARD": "1", **sc.env_b}, "off", "on"
+    return dict(common), {**common, "KVGUARD": "1", **sc.env_b}, "off", "on"
 
 
 def workload_key(spec: dict) -> str:
@@ -450,7 +481,7 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
     a, b = summary["A"], summary["B"]
 
     key = workload_key(spec)
-    if not env_a and abstats.completed_all(a) and a.get("outputs") is not None:
+    if not sc.faults and abstats.completed_all(a) and a.get("outputs") is not None:
         references.setdefault(key, {"outputs": a["outputs"], "finish_reasons":
                                     a["finish_reasons"], "source": f"{sc.name} A"})
     reference = None
@@ -458,7 +489,8 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
         reference = references.get(key)
         if reference is None:
             prog.say(f"{sc.name}: A finished nothing; reference run (plugin off, no faults)")
-            ref = run_in_subprocess({**spec, "rounds": 1}, {}, timeout)
+            ref = run_in_subprocess({**spec, "rounds": 1}, settings.get("thread_env"),
+                                    timeout)
             reference = {"outputs": ref.get("outputs"),
                          "finish_reasons": ref.get("finish_reasons"),
                          "source": "reference run", "error": ref.get("error")}

@@ -104,11 +104,13 @@ def format_table(report: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     env = report.get("environment", {})
     s = report.get("settings", {})
+    omp = (s.get("thread_env") or {}).get("OMP_NUM_THREADS")
+    threads = f"; {omp} OpenMP thread(s) per engine, unbound" if omp else ""
     lines.insert(0, f"kvguard-ab {report.get('kvguard_version', '')}: vLLM "
                     f"{env.get('vllm', '?')} on {env.get('platform', '?')} "
                     f"({env.get('cpus', '?')} CPUs); A = plugin off, B = plugin on; "
                     f"{s.get('repeat')} paired samples per scenario, tolerance "
-                    f"{s.get('tolerance')}")
+                    f"{s.get('tolerance')}" + threads)
     lines.append("")
     for sc in report["scenarios"]:
         pre = [f"{k} {sc['sides'][k]['preemptions']}" for k in "AB"

@@ -29,6 +29,7 @@ def no_engine(mocker):
     (["--repeat", "0"], ["--repeat", ">= 1"]),
     (["--rounds", "many"], ["--rounds", "auto"]),
     (["--tolerance", "3"], ["--tolerance", "0.97"]),
+    (["--threads", "many"], ["--threads", "auto"]),
     (["--engine-arg", "no-equals"], ["--engine-arg", "KEY=VALUE"]),
     (["--json", "/no/such/dir/x.json"], ["--json", "/no/such/dir"]),
 ])
@@ -92,11 +93,21 @@ def test_kv_pressure_pool_holds_one_max_len_request_but_not_the_load():
 
 def test_alloc_faults_a_is_the_injector_alone_b_adds_the_fixes():
     env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["alloc-faults"],
-                                          _settings("--faults", "every=5"))
+                                          _settings("--faults", "every=5", "--threads", "0"))
     assert env_a == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5", "KVGUARD_PATCHES": "none"}
     assert env_b == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5"}
-    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings())
+    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings("--threads", "0"))
     assert env_a == {} and env_b == {"KVGUARD": "1"}
+
+
+def test_threads_are_the_same_on_both_sides(mocker):
+    mocker.patch.object(ab, "cpu_build_of_vllm", return_value=True)
+    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings())
+    one = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert env_a == one and env_b == {**one, "KVGUARD": "1"}
+    assert _settings("--threads", "2")["thread_env"]["OMP_NUM_THREADS"] == "2"
+    mocker.patch.object(ab, "cpu_build_of_vllm", return_value=False)
+    assert _settings()["thread_env"] == {}           # a GPU build keeps vLLM's choice
 
 
 def test_baseline_and_alloc_faults_share_a_workload_so_a_clean_run_is_the_reference():
