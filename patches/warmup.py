@@ -105,10 +105,6 @@ def _setup():
     from vllm_kvguard import fixes
 
     fixes.register_warmup_fixes()
-    module = importlib.import_module(WARMUP_MODULE)
-    if not any(hasattr(module, n) for n in ("_warmup_kernels", "warmup_kernels")):
-        logger.warning("vllm-kvguard: %s has neither _warmup_kernels nor warmup_kernels; "
-                       "the V2 warmup guard is inactive", WARMUP_MODULE)
 
 
 PATCH = Patch(

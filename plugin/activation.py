@@ -93,6 +93,8 @@ def wrapped_targets() -> list[str]:
     found = []
     for patch in ALL_PATCHES:
         for target in patch.targets:
+            if target.module not in sys.modules:     # not loaded: cannot be wrapped yet
+                continue
             resolved = resolve(target.module, target.qualname)
             if resolved is not None and is_wrapped(resolved[2]):
                 found.append(target.name)
@@ -106,7 +108,34 @@ def startup_line(version, res: dict[str, str]) -> str:
     proc = multiprocessing.current_process().name
     return (f"vllm-kvguard {__version__} active in {proc} (pid {os.getpid()}), vLLM {version}: "
             f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}; "
-            f"{len(wrapped_targets())} targets wrapped")
+            f"{len(wrapped_targets())} targets wrapped, {pending_targets()} more when vLLM "
+            f"loads their module")
+
+
+def unwrapped_loaded_targets() -> list[str]:
+    """Targets of applied patches that exist in a loaded module but carry no wrapper
+    (should be empty: a wrap that did not happen)."""
+    from vllm_kvguard.patches import ALL_PATCHES
+    from vllm_kvguard.registry import is_wrapped, resolve
+
+    wrong = []
+    for patch in ALL_PATCHES:
+        if not patch.applied:
+            continue
+        for target in patch.targets:
+            if target.module in sys.modules:
+                resolved = resolve(target.module, target.qualname)
+                if resolved is not None and not is_wrapped(resolved[2]):
+                    wrong.append(target.name)
+    return wrong
+
+
+def pending_targets() -> int:
+    """Targets of applied patches whose module this process has not imported (yet)."""
+    from vllm_kvguard.patches import ALL_PATCHES
+
+    return sum(1 for p in ALL_PATCHES if p.applied
+               for t in p.targets if t.module not in sys.modules)
 
 
 def deactivate() -> None:

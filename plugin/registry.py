@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -141,13 +142,16 @@ class Patch:
     vllm_versions: str              # packaging specifier, e.g. ">=0.27.1,<0.34"
     upstream: tuple[str, ...]       # vLLM issues/PRs it mitigates
     remove_when: str
-    setup: Callable[[], None] | None = None      # after wrapping (e.g. register hookimpls)
-    teardown: Callable[[], None] | None = None
+    setup: Callable[[], None] | None = None      # at the first wrap (register hookimpls)
+    teardown: Callable[[], None] | None = None   # at revert, if setup ran
     _installed: list = field(default_factory=list, repr=False)
+    _active: bool = field(default=False, repr=False)
+    _generation: int = field(default=0, repr=False)
+    _set_up: bool = field(default=False, repr=False)
 
     @property
     def applied(self) -> bool:
-        return bool(self._installed)
+        return self._active
 
     def supports(self, version) -> bool:
         return in_range(version, self.vllm_versions)
@@ -161,39 +165,84 @@ class Patch:
         return missing
 
     def apply(self) -> list[str]:
-        """Wrap every target; return notes about optional targets skipped. Idempotent.
+        """Wrap every target; return notes (optional targets absent, targets deferred).
 
-        Raises LookupError (naming the target) if a required target is missing; nothing
-        is left wrapped in that case.
+        Idempotent. Targets whose module vLLM has already imported are wrapped now; the
+        others when vLLM imports that module (a wrapt post-import hook), so activation
+        never imports vLLM modules a process would not load itself (the front end does
+        not load the GPU worker, and the entry point stays fast).
+        Raises LookupError (naming the target) if a required target of a loaded module is
+        missing; nothing is left wrapped then. A required target found missing later, at
+        import, reverts the whole patch with one warning.
         """
-        if self.applied:
+        if self._active:
             return []
-        missing = self.missing_targets()
+        loaded = [t for t in self.targets if t.module in sys.modules]
+        missing = [t.name for t in loaded
+                   if t.required and resolve(t.module, t.qualname) is None]
         if missing:
             raise LookupError(f"target(s) missing in this vLLM: {', '.join(missing)}")
-        notes = []
+        self._active = True
+        self._generation += 1
+        notes, deferred = [], 0
         try:
             for t in self.targets:
-                resolved = resolve(t.module, t.qualname)
-                if resolved is None:
-                    notes.append(f"{t.name} absent (optional part skipped)")
-                    continue
-                parent, attr, original = resolved
-                if is_wrapped(original):        # loaded twice: already wrapped, keep it
-                    continue
-                wrapper = KvguardWrapper(original, t.wrapper)
-                self._install(parent, attr, original, wrapper)
-                for mod_name in t.also_at:
-                    mod = _import(mod_name)
-                    leaf = t.qualname.rsplit(".", 1)[-1]
-                    if mod is not None and getattr(mod, leaf, None) is original:
-                        self._install(mod, leaf, original, wrapper)
-            if self.setup:
-                self.setup()
+                if t.module in sys.modules:
+                    note = self._wrap(t)
+                    if note:
+                        notes.append(note)
+                else:
+                    self._defer(t)
+                    deferred += 1
         except BaseException:
             self.revert()
             raise
+        if deferred:
+            notes.append(f"{deferred} target(s) wrapped when vLLM imports their module")
         return notes
+
+    def _wrap(self, t: Target) -> str | None:
+        resolved = resolve(t.module, t.qualname)
+        if resolved is None:
+            return f"{t.name} absent (optional part skipped)"
+        parent, attr, original = resolved
+        if is_wrapped(original):        # loaded twice: already wrapped, keep it
+            return None
+        if not self._set_up:            # the fixes load with the first target that needs them
+            self._set_up = True
+            if self.setup:
+                self.setup()
+        wrapper = KvguardWrapper(original, t.wrapper)
+        self._install(parent, attr, original, wrapper)
+        logger.debug("vllm-kvguard: patch %r wrapped %s", self.name, t.name)
+        leaf = t.qualname.rsplit(".", 1)[-1]
+        for mod_name in t.also_at:      # importers not loaded yet will import the wrapper
+            mod = sys.modules.get(mod_name)
+            if mod is not None and getattr(mod, leaf, None) is original:
+                self._install(mod, leaf, original, wrapper)
+        return None
+
+    def _defer(self, t: Target) -> None:
+        generation = self._generation
+
+        def on_import(_module) -> None:
+            if not self._active or self._generation != generation:
+                return                  # reverted (or re-applied) since
+            try:
+                if t.required and resolve(t.module, t.qualname) is None:
+                    logger.warning("vllm-kvguard: patch %r skipped: target missing in this "
+                                   "vLLM: %s", self.name, t.name)
+                    self.revert()
+                    return
+                note = self._wrap(t)
+                if note:
+                    logger.info("vllm-kvguard: patch %r: %s", self.name, note)
+            except Exception as exc:    # fail open: vLLM keeps its original code
+                logger.error("vllm-kvguard: patch %r reverted, internal error wrapping %s "
+                             "(%s: %s)", self.name, t.name, type(exc).__name__, exc)
+                self.revert()
+
+        wrapt.register_post_import_hook(on_import, t.module)
 
     def _install(self, parent, attr, original, wrapper) -> None:
         had_own = attr in vars(parent) if isinstance(parent, type) else True
@@ -201,14 +250,17 @@ class Patch:
         self._installed.append((parent, attr, original, had_own))
 
     def revert(self) -> None:
+        self._active = False
         while self._installed:
             parent, attr, original, had_own = self._installed.pop()
             if had_own:
                 setattr(parent, attr, original)
             else:                       # inherited method: drop the subclass attribute
                 delattr(parent, attr)
-        if self.teardown:
-            self.teardown()
+        if self._set_up:
+            self._set_up = False
+            if self.teardown:
+                self.teardown()
 
 
 def _import(module: str):

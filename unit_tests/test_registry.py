@@ -94,11 +94,14 @@ def test_force_applies_out_of_range_patch(monkeypatch):
 
 
 def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
+    import vllm.v1.core.kv_cache_manager  # noqa: F401  (loaded, so wrapped at once)
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+
     activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
     lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
     assert len(lines) == 1
     assert "vLLM 0." in lines[0] and "applied: allocator" in lines[0]
-    assert "2 targets wrapped" in lines[0]
+    assert "2 targets wrapped, 0 more when vLLM loads their module" in lines[0]
 
 
 def test_register_never_raises(monkeypatch, kvguard_log):
@@ -197,7 +200,33 @@ def test_names_imported_by_value_are_patched_at_every_site(monkeypatch):
     assert src.f is original and user.f is original
 
 
+def test_targets_of_unloaded_modules_wrap_when_vllm_imports_them(monkeypatch):
+    assert "kvg_late" not in sys.modules
+    calls = []
+
+    @hooked("test-late")
+    def tag(call: HostCall):
+        calls.append(call.args)
+        return call()
+
+    patch = Patch(name="late", summary="", vllm_versions=">=0", upstream=(), remove_when="",
+                  targets=[Target("kvg_late", "f", tag)])
+    notes = patch.apply()
+    assert notes == ["1 target(s) wrapped when vLLM imports their module"]
+    late = types.ModuleType("kvg_late")
+    exec("def f(x):\n    return x * 3\n", late.__dict__)
+    monkeypatch.setitem(sys.modules, "kvg_late", late)
+    import wrapt
+
+    wrapt.notify_module_loaded(late)        # what the import system does for a real import
+    assert is_wrapped(late.f) and late.f(2) == 6 and calls == [(2,)]
+    patch.revert()
+    assert not is_wrapped(late.f)
+
+
 def test_missing_required_target_fails_apply_with_its_name():
+    import vllm.v1.core.kv_cache_manager  # noqa: F401  (a loaded module is checked at once)
+
     patch = Patch(name="t", summary="", vllm_versions=">=0", upstream=(), remove_when="",
                   targets=[Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.no_such",
                                   lambda w, i, a, k: w(*a, **k))])

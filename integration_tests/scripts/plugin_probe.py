@@ -12,19 +12,22 @@ def worker_probe(worker):
     import os
     import sys as _sys
 
-    from vllm_kvguard.activation import wrapped_targets
+    from vllm_kvguard.activation import unwrapped_loaded_targets, wrapped_targets
 
+    imported = "vllm_kvguard.patches" in _sys.modules
     return {"pid": os.getpid(), "proc": multiprocessing.current_process().name,
-            "wrapped": wrapped_targets(), "imported": "vllm_kvguard.patches" in _sys.modules}
+            "wrapped": wrapped_targets(), "imported": imported,
+            "unwrapped_loaded": unwrapped_loaded_targets() if imported else []}
 
 
 if __name__ == "__main__":
     from vllm import LLM
 
-    from vllm_kvguard.activation import wrapped_targets
+    from vllm_kvguard.activation import unwrapped_loaded_targets, wrapped_targets
     from vllm_kvguard.tiny_models import engine_kwargs, write_model
 
     extra = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     llm = LLM(**engine_kwargs(write_model("llama"), **extra))
     print("PROBE " + json.dumps({"front_end": wrapped_targets(),
+                                 "front_end_unwrapped": unwrapped_loaded_targets(),
                                  "workers": llm.collective_rpc(worker_probe)}), flush=True)
