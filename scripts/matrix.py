@@ -62,7 +62,8 @@ def _fmt(seconds: float | None) -> str:
 def pytest_cmd(python: str, paths: list[str], junit: Path, marker: str | None,
                extra: list[str]) -> list[str]:
     cmd = [python, "-m", "pytest", *paths, f"--junitxml={junit}", "-o", "junit_family=xunit2",
-           f"--timeout={DEFAULT_TEST_TIMEOUT}", "-rfEs", "-q", "-p", "no:cacheprovider"]
+           f"--timeout={DEFAULT_TEST_TIMEOUT}", "-rfEs", "-q", "-p", "no:cacheprovider",
+           "--durations=5"]
     if marker:
         cmd += ["-m", marker]
     return cmd + extra
