@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "1 with a CPU build of vLLM (its core binding off), so the two "
                         "engines and other processes on a small machine do not stall each "
                         "other's bound threads; untouched on a GPU build. 0: vLLM's own "
-                        "setting. N: N threads, core binding off")
+                        "setting. N: N threads, core binding off. With N threads, A and B "
+                        "are both pinned to the same last N CPUs")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, help="requests per round (scenario default)")
     g.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
@@ -266,11 +267,16 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--threads: {args.threads!r} is not auto or a whole number >= 0")
     thread_env = {} if not threads else {"OMP_NUM_THREADS": str(threads),
                                          "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    # A and B (and the reference) share the same CPUs: only one runs at a time, and what
+    # else loads those CPUs hits both alike; unpinned, one process can sit for the whole
+    # run beside a busy neighbour (a persistent bias ABBA order cannot cancel).
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed[-threads:] if threads and len(allowed) >= threads else None
     return {"scenarios": names, "model": model, "overrides": overrides, "workload": workload,
             "repeat": args.repeat, "rounds": rounds, "warmup": args.warmup,
             "sample_seconds": args.sample_seconds, "tolerance": args.tolerance,
             "faults": args.faults, "multiprocess": args.multiprocess,
-            "thread_env": thread_env,
+            "thread_env": thread_env, "cpus": cpus,
             "timeout": args.timeout}
 
 
@@ -284,7 +290,8 @@ def scenario_spec(sc: Scenario, settings: dict) -> dict:
             math.ceil(engine.get("max_model_len", 512) / engine.get("block_size", 32)) + 8)
     return {"model": settings["model"] or sc.model, "engine": engine,
             "gpu_engine": {k: v for k, v in sc.gpu_engine.items() if k not in ov},
-            **sc.workload, **settings["workload"], "multiprocess": settings["multiprocess"]}
+            **sc.workload, **settings["workload"], "multiprocess": settings["multiprocess"],
+            "cpus": settings.get("cpus")}
 
 
 def cpu_build_of_vllm() -> bool:

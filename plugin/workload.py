@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "repetitive": True,        # prompts repeat a short pattern, so ngram drafting proposes
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
+    "cpus": None,              # CPU ids to pin the process to (before torch starts threads)
 }
 
 FINISHED = ("length", "stop")
@@ -122,6 +123,8 @@ class Session:
             return self.out["error"] is None
         t0 = time.perf_counter()
         try:
+            if self.spec["cpus"]:
+                os.sched_setaffinity(0, self.spec["cpus"])
             import torch
             import vllm
             from vllm.platforms import current_platform

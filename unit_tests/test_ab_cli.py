@@ -106,6 +106,10 @@ def test_threads_are_the_same_on_both_sides(mocker):
     one = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert env_a == one and env_b == {**one, "KVGUARD": "1"}
     assert _settings("--threads", "2")["thread_env"]["OMP_NUM_THREADS"] == "2"
+    # both sides run the same spec, pinned to the same CPU(s)
+    spec = ab.scenario_spec(ab.SCENARIOS["baseline"], _settings())
+    assert spec["cpus"] == sorted(os.sched_getaffinity(0))[-1:]
+    assert _settings("--threads", "0")["cpus"] is None
     mocker.patch.object(ab, "cpu_build_of_vllm", return_value=False)
     assert _settings()["thread_env"] == {}           # a GPU build keeps vLLM's choice
 
