@@ -53,6 +53,8 @@ class Scenario:
     workload: dict = field(default_factory=dict)
     faults: bool = False                       # inject allocator faults on both sides
     env_b: dict = field(default_factory=dict)  # flags B adds to KVGUARD=1
+    plugin_b: bool = True                      # False: an A/A run (the harness's own bias)
+    default: bool = True                       # part of a bare ``kvguard-ab``
 
 
 _POOL = {"num_gpu_blocks_override": 64, "block_size": 32}   # CPU attention: block % 32 == 0
@@ -74,8 +76,11 @@ SCENARIOS = {sc.name: sc for sc in (
              gpu_engine={"enforce_eager": False,
                          "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}},
              workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"}),
+    Scenario("self-check", "A/A: the plugin off on both sides; the ratio must be 1.0 within "
+             "tolerance, or the harness (machine, pinning) is biased", engine=_POOL,
+             plugin_b=False, default=False),
 )}
-DEFAULT_SCENARIOS = tuple(SCENARIOS)
+DEFAULT_SCENARIOS = tuple(name for name, sc in SCENARIOS.items() if sc.default)
 
 # CLI engine settings passed through to LLM(...): (flag, LLM keyword, type)
 ENGINE_FLAGS = (
@@ -104,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Scenarios:\n" + "\n".join(f"  {s.name:13} {s.description}"
                                           for s in SCENARIOS.values()))
     p.add_argument("--scenario", action="extend", nargs="+", metavar="NAME",
-                   help=f"scenarios to run, several allowed, or 'all' (default: all: "
-                        f"{', '.join(DEFAULT_SCENARIOS)})")
+                   help=f"scenarios to run, several allowed; 'all' (the default) is "
+                        f"{', '.join(DEFAULT_SCENARIOS)}")
     p.add_argument("--model", metavar="PATH",
                    help="a local model directory (config.json + weights) used by every "
                         "scenario; default: the embedded dummy-weight models "
@@ -314,6 +319,8 @@ def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
         faults = {**common, "KVGUARD": "1", "KVGUARD_FAULTS": settings["faults"]}
         return ({**faults, "KVGUARD_PATCHES": "none"}, {**faults, **sc.env_b},
                 "faults only", "on + faults")
+    if not sc.plugin_b:
+        return dict(common), dict(common), "off", "off (A/A)"
     return dict(common), {**common, "KVGUARD": "1", **sc.env_b}, "off", "on"
 
 

@@ -53,8 +53,10 @@ def _settings(*argv):
     return ab.validate(ab.build_parser().parse_args(list(argv)))
 
 
-def test_default_runs_every_scenario_in_order():
-    assert _settings()["scenarios"] == list(ab.SCENARIOS)
+def test_default_runs_every_scenario_but_the_self_check_in_order():
+    assert _settings()["scenarios"] == [
+        "baseline", "alloc-faults", "kv-pressure", "hybrid-spec", "coverage"]
+    assert _settings("--scenario", "self-check")["scenarios"] == ["self-check"]
     assert _settings("--scenario", "coverage", "baseline,coverage")["scenarios"] == [
         "coverage", "baseline"]
 
@@ -98,6 +100,11 @@ def test_alloc_faults_a_is_the_injector_alone_b_adds_the_fixes():
     assert env_b == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5"}
     env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings("--threads", "0"))
     assert env_a == {} and env_b == {"KVGUARD": "1"}
+
+
+def test_self_check_runs_the_plugin_off_on_both_sides():
+    env_a, env_b, _, label_b = ab.scenario_envs(ab.SCENARIOS["self-check"], _settings())
+    assert env_a == env_b and "KVGUARD" not in env_b and label_b == "off (A/A)"
 
 
 def test_threads_are_the_same_on_both_sides(mocker):
