@@ -111,8 +111,8 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     rec["unit"] = run_suite(f"{pin.name} unit",
                             pytest_cmd(py, ["unit_tests"], d / "unit.xml", None, args.pytest),
                             env)
-    if args.integration != "none":
-        suite = args.integration or pin.suite
+    suite = args.integration or pin.suite
+    if suite != "none":
         rec["integration"] = run_suite(
             f"{pin.name} integration ({suite})",
             pytest_cmd(py, ["integration_tests"], d / "integration.xml",

