@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "repetitive": True,        # prompts repeat a short pattern, so ngram drafting proposes
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
-    "cpus": None,              # CPU ids to pin the process to (before torch starts threads)
+    "cpus": None,              # CPU ids to pin the engine to (after the import, before LLM())
 }
 
 FINISHED = ("length", "stop")
@@ -72,6 +72,17 @@ def make_prompts(spec: dict) -> list[list[int]]:
             ids = [rng.randrange(3, 1000) for _ in range(n)]
         prompts.append(ids)
     return prompts
+
+
+def _pin(cpus) -> None:
+    """Pin every thread of this process (and the ones it starts later) to ``cpus``."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cpus)
 
 
 def _scheduler(llm):
@@ -123,8 +134,6 @@ class Session:
             return self.out["error"] is None
         t0 = time.perf_counter()
         try:
-            if self.spec["cpus"]:
-                os.sched_setaffinity(0, self.spec["cpus"])
             import torch
             import vllm
             from vllm.platforms import current_platform
@@ -143,6 +152,8 @@ class Session:
         """Build the engine: ``engine_s`` (``LLM(...)``), ``startup_s`` (import + engine)."""
         if not self.import_vllm():
             return False
+        if self.spec["cpus"]:
+            _pin(self.spec["cpus"])
         t0 = time.perf_counter()
         try:
             from vllm import LLM, SamplingParams
