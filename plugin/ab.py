@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A/B benchmark: the same workload with vllm-kvguard off (A) and on (B), "
                     "side by side, in one invocation.",
         epilog="Scenarios:\n" + "\n".join(f"  {s.name:13} {s.description}"
-                                          for s in SCENARIOS.values()))
+                                          for s in SCENARIOS.values())
+        + "\n\nExit status: 0 every check passed, 1 a check failed (B lost requests, leaked "
+          "blocks,\ndiffered from A's greedy outputs or was slower than --tolerance), 2 a bad "
+          "argument\n(nothing started), 130 interrupted (what finished is still reported).")
     p.add_argument("--scenario", action="extend", nargs="+", metavar="NAME",
                    help=f"scenarios to run, several allowed; 'all' (the default) is "
                         f"{', '.join(DEFAULT_SCENARIOS)}")
@@ -115,20 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a local model directory (config.json + weights) used by every "
                         "scenario; default: the embedded dummy-weight models "
                         f"({', '.join(EMBEDDED)}), no download")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", metavar="N", type=int, default=3,
                    help="paired A/B throughput samples per scenario (default 3)")
-    p.add_argument("--rounds", default="auto",
+    p.add_argument("--rounds", metavar="auto|N", default="auto",
                    help="generate rounds per sample, or 'auto': enough for --sample-seconds, "
                         "at least 3 (default auto)")
-    p.add_argument("--sample-seconds", type=float, default=1.0,
+    p.add_argument("--sample-seconds", metavar="S", type=float, default=1.0,
                    help="target duration of one sample with --rounds auto (default 1.0)")
-    p.add_argument("--warmup", type=int, default=2,
+    p.add_argument("--warmup", metavar="N", type=int, default=2,
                    help="unmeasured rounds per engine before sampling (default 2)")
-    p.add_argument("--tolerance", type=float, default=0.97,
+    p.add_argument("--tolerance", metavar="RATIO", type=float, default=0.97,
                    help="fail if the median throughput ratio B/A is below this (default 0.97)")
-    p.add_argument("--faults", default="every=7",
+    p.add_argument("--faults", metavar="SPEC", default="every=7",
                    help="KVGUARD_FAULTS schedule of alloc-faults (default every=7)")
-    p.add_argument("--threads", default="auto",
+    p.add_argument("--threads", metavar="auto|N", default="auto",
                    help="OpenMP threads per engine, the same for A and B. auto (default): "
                         "1 with a CPU build of vLLM (its core binding off), so the two "
                         "engines and other processes on a small machine do not stall each "
@@ -136,13 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "setting. N: N threads, core binding off. With N threads, A and B "
                         "are both pinned to the same last N CPUs")
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=int, help="requests per round (scenario default)")
-    g.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
-    g.add_argument("--max-tokens", type=int, help=f"generated tokens per request (default "
+    g.add_argument("--num-requests", type=int, metavar="N", help="requests per round (scenario default)")
+    g.add_argument("--prompt-len", type=int, metavar="N", help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"generated tokens per request (default "
                                                   f"{DEFAULTS['max_tokens']})")
-    e = p.add_argument_group("engine settings (override every scenario's own)")
+    e = p.add_argument_group(
+        "engine settings", "LLM(...) keywords, overriding every scenario's own. Defaults: "
+        "dtype bfloat16, enforce_eager, max_model_len 512, max_num_seqs 8, seed 0, no "
+        "tokenizer (token-id prompts), dummy weights for the embedded models")
     for flag, _, typ in ENGINE_FLAGS:
-        e.add_argument(flag, type=typ)
+        e.add_argument(flag, type=typ, metavar={int: "N", float: "X"}.get(typ, "VALUE"))
     e.add_argument("--speculative-config", metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; null: none')
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
@@ -160,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-png", action="store_true")
     o.add_argument("--no-microbench", action="store_true",
                    help="skip the allocator/dispatch micro-benchmarks")
-    o.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds an engine may take to start or to run one sample (default 900)")
+    o.add_argument("--timeout", metavar="S", type=float, default=900.0,
+                   help="seconds an engine may take to start or to run one round (default 900)")
     o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
