@@ -90,7 +90,7 @@ def test_bad_flags_are_named_and_vllm_still_serves():
                              "KVGUARD_FAULTS": "often"}, timeout=200)
     assert res["ok"] and res["completed"] == 2, res.get("error")
     assert res["kvguard"]["results"] is None           # stayed off
-    err = res["stderr"]
+    err = "\n".join(res["kvguard_log"])
     assert "KVGUARD='maybe' is not valid; use one of 1, on, 0, off" in err
     assert "unknown patch name(s) bogus; valid: allocator, warmup, cudagraph" in err
     assert "KVGUARD_FAULTS: 'often' is not key=value" in err

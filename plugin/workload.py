@@ -349,6 +349,8 @@ def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
         if line.startswith(RESULT_TAG):
             result = json.loads(line[len(RESULT_TAG):])
             result["stderr"] = stderr[-4000:]
+            result["kvguard_log"] = [ln for ln in (stdout + "\n" + stderr).splitlines()
+                                     if "vllm-kvguard" in ln]   # whole, not a tail
             return result
     return {"spec": spec, "ok": False, "engine_died": True, "returncode": proc.returncode,
             "error": f"process exited {proc.returncode} without a result",
