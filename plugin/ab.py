@@ -4,19 +4,23 @@ a JSON file and a PNG chart. ``python -m vllm_kvguard.ab --help`` lists the opti
 
 How it measures (see also :mod:`vllm_kvguard.abstats`):
 
-* per scenario, A and B each get their own ``python -m vllm_kvguard.workload --serve``
-  process; both import vLLM at once (the plugin is not active yet), then engine A is built,
-  then engine B (one at a time: "startup s" is ``LLM(...)`` alone, neither competing with
-  the other); both stay alive and idle while the other one works;
-* ``--warmup`` unmeasured rounds on each, then ``--repeat`` paired samples; a sample is
-  ``--rounds`` generate rounds of the same deterministic greedy workload on each engine,
-  run one by one in ABBA order (A,B,B,A,...); its throughput = generated tokens of a round
-  / its fastest round inside ``LLM.generate`` (see :func:`abstats.throughput`);
+* ``--repeat`` times per scenario, a fresh pair of processes (``python -m
+  vllm_kvguard.workload --serve``), A and B: a given pair of processes carries a bias of
+  its own (memory layout, hash seed; an A/A run measured several percent), which only
+  fresh processes average out, as pyperf does;
+* in a pair, both import vLLM at once (the plugin is not active yet), then engine A is
+  built, then engine B ("startup s" is ``LLM(...)`` alone, neither competing with the
+  other); both stay alive, idle while the other works, pinned to the same CPU(s);
+* ``--warmup`` unmeasured rounds on each, then one sample: ``--rounds`` generate rounds of
+  the same deterministic greedy workload on each engine, one by one in ABBA order; a
+  sample's throughput = generated tokens of a round / its fastest round inside
+  ``LLM.generate`` (see :func:`abstats.throughput`);
 * B/A = median of the per-pair ratios, with min-max; greedy outputs are compared request
-  by request (against a fault-free, plugin-off reference run when A died);
+  by request (against a fault-free, plugin-off reference run when A died); a side that
+  died or failed to start is not started again for the later pairs;
 * exit 1 if any check fails (B not completing every request, leaking blocks, differing
   greedy outputs, or a throughput ratio below ``--tolerance``), 2 on a bad argument
-  (before any engine starts), 130 on Ctrl-C (after printing what was done).
+  (before any engine starts), 130 on Ctrl-C or SIGTERM (after printing what was done).
 """
 from __future__ import annotations
 
@@ -119,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "scenario; default: the embedded dummy-weight models "
                         f"({', '.join(EMBEDDED)}), no download")
     p.add_argument("--repeat", metavar="N", type=int, default=3,
-                   help="paired A/B throughput samples per scenario (default 3)")
+                   help="fresh A/B process pairs per scenario, one paired throughput sample "
+                        "each (default 3)")
     p.add_argument("--rounds", metavar="auto|N", default="auto",
                    help="generate rounds per sample, or 'auto': enough for --sample-seconds, "
                         "at least 3 (default auto)")
@@ -372,20 +377,22 @@ class Progress:
 
 def steps_for(settings: dict) -> int:
     warm = bool(settings["warmup"] or settings["rounds"] == "auto")
-    per = 2 * (2 + warm + settings["repeat"])      # starts, warm-ups, samples, stops
-    return per * len(settings["scenarios"]) + (2 if settings.get("microbench", True) else 0)
+    per_pair = 2 * (1 + warm + 1 + 1)              # starts, warm-ups, sample, stops
+    return (per_pair * settings["repeat"] * len(settings["scenarios"])
+            + (2 if settings.get("microbench", True) else 0))
 
 
 # ---------------------------------------------------------------------------- running
 class Side:
-    """One engine process of a scenario and what it reported."""
+    """One engine process of one A/B pair and what it reported."""
 
     def __init__(self, key: str, label: str, env: dict):
         self.key, self.label, self.env = key, label, env
         self.proc: WorkloadProcess | None = None
         self.ready: dict = {}
         self.warmup_s: list[float] = []
-        self.pairs: dict[int, list[float] | None] = {}    # sample index -> round times
+        self.sample: list[float] | None = []           # round times of the measured sample
+        self.final: dict = {}
         self.died = self.hung = False
         self.error: str | None = None
 
@@ -403,38 +410,11 @@ class Side:
         times = res.get("round_s") or []
         return times if res.get("ok") and len(times) == n else None
 
-
-def side_summary(side: Side, final: dict) -> dict:
-    """What the report keeps of one side's result (see :func:`workload.Session.finish`)."""
-    tokens = final.get("tokens_per_round")
-    kv = final.get("kvguard") or {}
-    died = bool(final.get("engine_died")) or side.died
-    hung = bool(final.get("hung")) or side.hung
-    ok = final.get("ok") and not died and not hung
-    samples = [side.pairs.get(i) for i in range(len(side.pairs))]
-    return {
-        "label": side.label, "env": side.env,
-        "startup_s": final.get("engine_s", side.ready.get("engine_s")),   # LLM(...) only
-        "import_s": final.get("import_s", side.ready.get("import_s")),
-        "startup_failed": not side.ready.get("ok"),
-        "engine_died": died and not hung, "hung": hung,
-        "error": final.get("error") or side.error or side.ready.get("error"),
-        "totals": final.get("totals") or {},
-        "pool_blocks": final.get("pool_blocks"), "held_blocks": final.get("held_blocks"),
-        "died_held_blocks": final.get("died_held_blocks"),
-        "audit_violations": final.get("audit_violations"),
-        "warmup_round_s": side.warmup_s, "sample_round_s": samples,
-        "tok_s": [abstats.throughput(tokens, s) if s and tokens else None for s in samples],
-        "tokens_per_round": tokens,
-        "outputs": final.get("outputs"), "finish_reasons": final.get("finish_reasons"),
-        "outputs_consistent": final.get("outputs_consistent"),
-        "counters": kv.get("counters") or {}, "patches": kv.get("results"),
-        "faults_injected": final.get("faults_injected", 0), "platform": final.get("platform"),
-        "preemptions": final.get("preemptions"), "coverage": kv.get("coverage"),
-        # with --multiprocess the fixes run in EngineCore: their counters are not seen here
-        "engine_core_separate": bool(side.proc and side.proc.spec.get("multiprocess")),
-        "stderr_tail": None if ok else final.get("stderr"),
-    }
+    @property
+    def failed(self) -> bool:
+        """Died, hung or never started: not worth starting again in a later pair."""
+        return not self.ready.get("ok") or self.died or self.hung or bool(
+            self.final.get("engine_died") or self.final.get("hung"))
 
 
 MIN_AUTO_ROUNDS = 3     # a sample's fastest round needs a few rounds to choose from
@@ -454,50 +434,138 @@ def calibrate(settings: dict, sides: list[Side]) -> int:
                min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
 
 
-def run_scenario(sc: Scenario, settings: dict, prog: Progress,
-                 references: dict[str, dict], environment: dict) -> dict:
-    """Run one scenario's A/B; fills ``environment`` (versions, platform) on first use."""
-    spec = scenario_spec(sc, settings)
-    env_a, env_b, label_a, label_b = scenario_envs(sc, settings)
-    sides = [Side("A", label_a, env_a), Side("B", label_b, env_b)]
-    timeout = settings["timeout"]
+def run_pair(name: str, index: int, spec: dict, sides: list[Side], settings: dict,
+             rounds: int | None, prog: Progress) -> int | None:
+    """One fresh A/B pair of processes: start (imports together, engines one by one), warm
+    up, one sample of ``rounds`` rounds each in ABBA order, stop. ``rounds`` None: calibrate
+    from the warm-up. Returns the rounds used."""
+    timeout, tag = settings["timeout"], f"{name} [{index + 1}/{settings['repeat']}]"
     with contextlib.ExitStack() as stack:
-        prog.say(f"{sc.name}: importing vLLM in A and B")
-        for side in sides:                  # imports overlap; the engines start one by one
+        for side in sides:
             side.proc = stack.enter_context(WorkloadProcess(spec, side.env))
+        prog.say(f"{tag}: importing vLLM in {' and '.join(s.key for s in sides)}")
         for side in sides:
-            imported = side.proc.imported(timeout)
-            if imported.get("ok") and not environment.get("vllm"):
-                environment.update(platform=imported["platform"], **imported["versions"])
+            side.proc.imported(timeout)
         for side in sides:
-            prog.say(f"{sc.name}: starting engine {side.key} (plugin {side.label})")
+            prog.say(f"{tag}: starting engine {side.key} (plugin {side.label})")
             side.ready = side.proc.ready(timeout)
-            prog.say(f"{sc.name}: engine {side.key} "
+            prog.say(f"{tag}: engine {side.key} "
                      + (f"up in {side.ready['engine_s']:.1f} s" if side.ready.get("ok")
                         else f"failed to start: {side.ready.get('error')}"), advance=1)
-        if settings["warmup"] or settings["rounds"] == "auto":
+        if settings["warmup"] or rounds is None:
             for side in sides:
                 side.warmup_s = side.run_rounds(max(1, settings["warmup"]), timeout) or []
-                prog.say(f"{sc.name}: {side.key} warm-up " + (
+                prog.say(f"{tag}: {side.key} warm-up " + (
                     f"{sum(side.warmup_s):.2f} s" if side.warmup_s
                     else f"FAILED ({side.error})"), advance=1)
-        rounds = calibrate(settings, sides)
-        for i in range(settings["repeat"]):
-            for side in sides:
-                side.pairs[i] = []
-            for j in range(rounds):                 # ABBA at round granularity
-                for side in (sides if (i + j) % 2 == 0 else sides[::-1]):
-                    times = side.run_rounds(1, timeout)
-                    if times is None or side.pairs[i] is None:
-                        side.pairs[i] = None
-                    else:
-                        side.pairs[i] += times
-            prog.say(f"{sc.name}: sample {i + 1}/{settings['repeat']} ({rounds} rounds each): "
-                     + ", ".join(f"{s.key} {_best_s(s.pairs[i])}" for s in sides),
-                     advance=2)
-        finals = {s.key: s.proc.finish(timeout) for s in sides}
-        prog.say(f"{sc.name}: engines stopped", advance=2)
-    summary = {s.key: side_summary(s, finals[s.key]) for s in sides}
+        if rounds is None:
+            rounds = calibrate(settings, sides)
+        order = sides if index % 2 == 0 else sides[::-1]
+        for j in range(rounds):                        # ABBA at round granularity
+            for side in (order if j % 2 == 0 else order[::-1]):
+                times = side.run_rounds(1, timeout)
+                side.sample = None if times is None or side.sample is None else (
+                    side.sample + times)
+        prog.say(f"{tag}: sample of {rounds} rounds each: "
+                 + ", ".join(f"{s.key} {_best_s(s.sample)}" for s in sides), advance=2)
+        for side in sides:
+            side.final = side.proc.finish(timeout)
+        prog.say(f"{tag}: engines stopped", advance=2)
+    return rounds
+
+
+def _merge_counters(all_counters: list[dict]) -> dict:
+    out: dict[str, dict[str, int]] = {}
+    for counters in all_counters:
+        for cat, reasons in (counters or {}).items():
+            for reason, n in reasons.items():
+                out.setdefault(cat, {})
+                out[cat][reason] = out[cat].get(reason, 0) + n
+    return out
+
+
+def side_summary(runs: list[Side], repeat: int) -> dict:
+    """One side over its pairs (see :func:`workload.Session.finish` for each result): sums
+    of requests and counters, one throughput sample per pair (None where it had none)."""
+    first = runs[0]
+    finals = [r.final for r in runs]
+    out_run = next((f for f in finals if f.get("outputs") is not None), {})
+    kv = [f.get("kvguard") or {} for f in finals]
+    totals: dict[str, int] = {}
+    for f in finals:
+        for k, v in (f.get("totals") or {}).items():
+            totals[k] = totals.get(k, 0) + v
+    held = [f["held_blocks"] for f in finals if f.get("held_blocks") is not None]
+    tok_s = []
+    for r in runs:
+        tokens = r.final.get("tokens_per_round")
+        tok_s.append(abstats.throughput(tokens, r.sample) if r.sample and tokens else None)
+    tok_s += [None] * (repeat - len(tok_s))            # pairs this side was not restarted for
+    died = any(r.died or f.get("engine_died") for r, f in zip(runs, finals))
+    hung = any(r.hung or f.get("hung") for r, f in zip(runs, finals))
+    failed = next((r for r in runs if r.failed), None)
+    startups = [r.ready.get("engine_s") for r in runs if r.ready.get("engine_s") is not None]
+    outputs = out_run.get("outputs")
+    consistent = all(f.get("outputs_consistent", True) for f in finals) and all(
+        f.get("outputs") in (None, outputs) for f in finals)
+    return {
+        "label": first.label, "env": first.env, "pairs": len(runs),
+        "startup_s": abstats.summarize(startups)["median"],   # LLM(...) only, median
+        "startup_s_all": startups,
+        "import_s": abstats.summarize([r.ready.get("import_s") or 0 for r in runs])["median"],
+        "startup_failed": not any(r.ready.get("ok") for r in runs),
+        "engine_died": died and not hung, "hung": hung,
+        "error": next((f.get("error") or r.error or r.ready.get("error") for r, f in
+                       zip(runs, finals) if f.get("error") or r.error
+                       or r.ready.get("error")), None),
+        "totals": totals,
+        "pool_blocks": out_run.get("pool_blocks"),
+        "held_blocks": max(held) if held and not died and not hung else None,
+        "died_held_blocks": next((f.get("died_held_blocks") for f in finals
+                                  if f.get("died_held_blocks") is not None), None),
+        "audit_violations": (None if any(f.get("audit_violations") is None for f in finals)
+                             else [v for f in finals for v in f["audit_violations"]]),
+        "warmup_round_s": [r.warmup_s for r in runs],
+        "sample_round_s": [r.sample for r in runs],
+        "tok_s": tok_s,
+        "tokens_per_round": out_run.get("tokens_per_round"),
+        "outputs": outputs, "finish_reasons": out_run.get("finish_reasons"),
+        "outputs_consistent": consistent,
+        "counters": _merge_counters([k.get("counters") for k in kv]),
+        "patches": (kv[0] or {}).get("results"),
+        "faults_injected": sum(f.get("faults_injected") or 0 for f in finals),
+        "platform": next((f.get("platform") for f in finals if f.get("platform")), None),
+        "preemptions": (None if any(f.get("preemptions") is None for f in finals)
+                        else sum(f["preemptions"] for f in finals)),
+        "coverage": next((k.get("coverage") for k in kv if k.get("coverage")), None),
+        # with --multiprocess the fixes run in EngineCore: their counters are not seen here
+        "engine_core_separate": bool(first.proc and first.proc.spec.get("multiprocess")),
+        "stderr_tail": failed.final.get("stderr") if failed else None,
+    }
+
+
+def run_scenario(sc: Scenario, settings: dict, prog: Progress,
+                 references: dict[str, dict], environment: dict) -> dict:
+    """``--repeat`` fresh A/B pairs of one scenario; fills ``environment`` on first use."""
+    spec = scenario_spec(sc, settings)
+    env_a, env_b, label_a, label_b = scenario_envs(sc, settings)
+    runs: dict[str, list[Side]] = {"A": [], "B": []}
+    rounds = None if settings["rounds"] == "auto" else settings["rounds"]
+    for i in range(settings["repeat"]):
+        sides = [Side(k, label, env) for k, label, env in
+                 (("A", label_a, env_a), ("B", label_b, env_b))
+                 if not (runs[k] and runs[k][-1].failed)]   # a dead side is not restarted
+        if not sides:
+            break
+        rounds = run_pair(sc.name, i, spec, sides, settings, rounds, prog)
+        for side in sides:
+            runs[side.key].append(side)
+            if side.ready.get("ok") and not environment.get("vllm"):
+                imported = side.proc.imported(0)
+                if imported.get("versions"):
+                    environment.update(platform=imported.get("platform"),
+                                       **imported["versions"])
+    summary = {k: side_summary(v, settings["repeat"]) for k, v in runs.items()}
     a, b = summary["A"], summary["B"]
 
     key = workload_key(spec)
@@ -510,7 +578,7 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
         if reference is None:
             prog.say(f"{sc.name}: A finished nothing; reference run (plugin off, no faults)")
             ref = run_in_subprocess({**spec, "rounds": 1}, settings.get("thread_env"),
-                                    timeout)
+                                    settings["timeout"])
             reference = {"outputs": ref.get("outputs"),
                          "finish_reasons": ref.get("finish_reasons"),
                          "source": "reference run", "error": ref.get("error")}

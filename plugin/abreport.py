@@ -109,7 +109,7 @@ def format_table(report: dict) -> str:
     lines.insert(0, f"kvguard-ab {report.get('kvguard_version', '')}: vLLM "
                     f"{env.get('vllm', '?')} on {env.get('platform', '?')} "
                     f"({env.get('cpus', '?')} CPUs); A = plugin off, B = plugin on; "
-                    f"{s.get('repeat')} paired samples per scenario, tolerance "
+                    f"{s.get('repeat')} fresh A/B process pairs per scenario, tolerance "
                     f"{s.get('tolerance')}" + threads)
     lines.append("")
     for sc in report["scenarios"]:

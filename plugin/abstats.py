@@ -5,10 +5,11 @@ A *side* is what one engine process reported (see :func:`vllm_kvguard.ab.side_su
 ``tok_s`` (one throughput per measured sample), ``totals``, ``outputs``/``finish_reasons``
 (the first round), ``held_blocks``, ``audit_violations``, ``counters``...
 
-Ratios are paired: sample *i* of B divided by sample *i* of A, whose rounds ran one by one
-in ABBA order on two live engines, so drift of a shared machine cancels within a pair; the
-median over pairs is reported with its min-max. When the pairs disagree by more than twice
-the tolerance band the summary says ``noisy``: the verdict on throughput is then weak.
+Ratios are paired: sample *i* of B divided by sample *i* of A, both from the *i*-th fresh
+pair of processes, whose rounds ran one by one in ABBA order, so drift of a shared machine
+cancels within a pair and the bias of one pair of processes across pairs; the median over
+pairs is reported with its min-max. When the pairs disagree by more than twice the
+tolerance band the summary says ``noisy``: the verdict on throughput is then weak.
 """
 from __future__ import annotations
 

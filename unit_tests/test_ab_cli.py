@@ -229,3 +229,50 @@ def test_microbench_without_its_summary_is_na(tmp_path, monkeypatch):
     monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
     res = ab.microbench("allocator", 60)
     assert res["ratio"] is None and "no summary line" in res["detail"]
+
+
+def _run(key="B", *, outputs=((5, 6),), sample=(0.1, 0.2), died=False, counters=None,
+         engine_s=2.0, held=0):
+    side = ab.Side(key, "on", {"KVGUARD": "1"})
+    side.ready = {"ok": True, "engine_s": engine_s, "import_s": 6.0}
+    side.sample = None if died else list(sample)
+    side.died = died
+    side.final = {
+        "ok": not died, "engine_died": died, "tokens_per_round": 64,
+        "totals": {"submitted": 8, "completed": 0 if died else 8, "failed": 8 if died else 0,
+                   "aborted": 0},
+        "outputs": None if died else [list(o) for o in outputs],
+        "finish_reasons": None if died else ["length"] * len(outputs),
+        "outputs_consistent": True, "held_blocks": None if died else held,
+        "audit_violations": None if died else [], "faults_injected": 3,
+        "kvguard": {"results": {"allocator": "applied"}, "counters": counters or {}}}
+    return side
+
+
+def test_side_summary_sums_requests_and_counters_over_pairs():
+    runs = [_run(counters={"rollback": {"x": 2}}, engine_s=2.0),
+            _run(counters={"rollback": {"x": 3}}, engine_s=4.0, sample=(0.5, 0.25))]
+    s = ab.side_summary(runs, repeat=2)
+    assert s["totals"]["completed"] == 16 and s["faults_injected"] == 6
+    assert s["counters"] == {"rollback": {"x": 5}}
+    assert s["tok_s"] == [640.0, 256.0]                 # 64 tokens / fastest round
+    assert s["startup_s"] == 3.0 and s["held_blocks"] == 0 and s["outputs_consistent"]
+
+
+def test_side_summary_flags_outputs_that_differ_between_process_pairs():
+    s = ab.side_summary([_run(), _run(outputs=((5, 7),))], repeat=2)
+    assert s["outputs"] == [[5, 6]] and not s["outputs_consistent"]
+
+
+def test_side_summary_of_a_side_that_died_and_was_not_restarted():
+    dead = _run("A", died=True)
+    assert dead.failed
+    s = ab.side_summary([dead], repeat=3)
+    assert s["engine_died"] and s["tok_s"] == [None, None, None]
+    assert s["held_blocks"] is None and s["outputs"] is None
+
+
+def test_steps_for_counts_every_progress_advance():
+    settings = _settings("--scenario", "baseline", "kv-pressure", "--repeat", "2")
+    settings["microbench"] = True
+    assert ab.steps_for(settings) == 2 * 2 * 8 + 2
