@@ -16,16 +16,16 @@ ALLOCATOR_TARGETS = {"vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slot
                      "vllm.v1.core.sched.scheduler.Scheduler.schedule"}
 
 
-def _probe(env_extra: dict, engine: dict | None = None, timeout: float = 240):
+def _probe(env_extra: dict, engine: dict | None = None, timeout: float = 240, *, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env_extra)
-    out = subprocess.run([sys.executable, str(PROBE), json.dumps(engine or {})],
+    answer = tmp_path / "probe.json"
+    out = subprocess.run([sys.executable, str(PROBE), json.dumps(engine or {}), str(answer)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          timeout=timeout)     # vLLM logs to stdout, our early lines to stderr
-    probe = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
-    assert probe, f"engine did not start (rc {out.returncode}):\n{out.stdout[-3000:]}"
-    return json.loads(probe[-1][len("PROBE "):]), out.stdout
+    assert answer.exists(), f"engine did not start (rc {out.returncode}):\n{out.stdout[-3000:]}"
+    return json.loads(answer.read_text()), out.stdout
 
 
 def _report_lines(log: str) -> dict[str, str]:
@@ -54,8 +54,8 @@ RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner."
 @pytest.mark.multiproc
 @pytest.mark.smoke
 @pytest.mark.timeout(300)
-def test_every_process_reports_and_wraps_with_flag_on():
-    probe, log = _probe({"KVGUARD": "1", "VLLM_LOGGING_LEVEL": "DEBUG"})
+def test_every_process_reports_and_wraps_with_flag_on(tmp_path):
+    probe, log = _probe({"KVGUARD": "1", "VLLM_LOGGING_LEVEL": "DEBUG"}, tmp_path=tmp_path)
     lines = _report_lines(log)
     engine_core = [p for p in lines if p.startswith("EngineCore")]
     workers = [p for p in lines if "Worker" in p]
@@ -73,8 +73,8 @@ def test_every_process_reports_and_wraps_with_flag_on():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_nothing_is_wrapped_in_any_process_with_flag_unset():
-    probe, log = _probe({})
+def test_nothing_is_wrapped_in_any_process_with_flag_unset(tmp_path):
+    probe, log = _probe({}, tmp_path=tmp_path)
     assert _report_lines(log) == {}
     assert probe["front_end"] == []
     assert probe["workers"] and all(w["wrapped"] == [] and not w["imported"]
@@ -98,11 +98,11 @@ def test_bad_flags_are_named_and_vllm_still_serves():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-def test_active_in_both_tensor_parallel_workers():
+def test_active_in_both_tensor_parallel_workers(tmp_path):
     # vllm-cpu binds each worker's OpenMP threads to a NUMA node; this machine has one, so
     # bind the two workers to one core each by hand.
     probe, log = _probe({"KVGUARD": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                        {"tensor_parallel_size": 2}, timeout=380)
+                        {"tensor_parallel_size": 2}, timeout=380, tmp_path=tmp_path)
     workers = probe["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
     for worker in workers:

@@ -1,5 +1,6 @@
 """Start a real multiprocess engine (front end + EngineCore + worker) and ask each worker
-which vllm-kvguard wrappers are installed there. Prints ``PROBE {json}``.
+which vllm-kvguard wrappers are installed there. Writes the answer as JSON to argv[2] (a
+file: the engine's processes share stdout, and their log lines can split ours).
 
 Run as a script (vLLM spawns processes); argv[1]: JSON of extra LLM(...) kwargs.
 """
@@ -28,6 +29,7 @@ if __name__ == "__main__":
 
     extra = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     llm = LLM(**engine_kwargs(write_model("llama"), **extra))
-    print("PROBE " + json.dumps({"front_end": wrapped_targets(),
-                                 "front_end_unwrapped": unwrapped_loaded_targets(),
-                                 "workers": llm.collective_rpc(worker_probe)}), flush=True)
+    answer = {"front_end": wrapped_targets(), "front_end_unwrapped": unwrapped_loaded_targets(),
+              "workers": llm.collective_rpc(worker_probe)}
+    with open(sys.argv[2], "w") as f:
+        json.dump(answer, f)
