@@ -44,3 +44,29 @@ def kvguard_log():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+
+
+#: Test modules that exercise one patch's fixes; they are skipped, with the reason, where
+#: that patch does not support the installed vLLM (its declared range).
+PATCH_OF_MODULE = {"test_rollback": "allocator", "test_rollback_property": "allocator",
+                   "test_audit": "allocator", "test_liveness": "allocator"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_patch(name): skip where that patch does not "
+                                       "support the installed vLLM")
+
+
+def pytest_collection_modifyitems(config, items):
+    from vllm_kvguard.patches import BY_NAME
+    from vllm_kvguard.versions import vllm_version
+
+    version = vllm_version()
+    for item in items:
+        marker = item.get_closest_marker("requires_patch")
+        module = getattr(item.module, "__name__", "").rsplit(".", 1)[-1]
+        name = marker.args[0] if marker else PATCH_OF_MODULE.get(module)
+        if name and not BY_NAME[name].supports(version):
+            item.add_marker(pytest.mark.skip(
+                reason=f"patch {name!r} does not support vLLM {version} "
+                       f"(declared range {BY_NAME[name].vllm_versions})"))

@@ -37,6 +37,7 @@ def test_register_with_flag_off_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.requires_patch("allocator")
 def test_apply_is_idempotent_and_revert_restores_originals():
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -60,6 +61,7 @@ def test_apply_is_idempotent_and_revert_restores_originals():
     assert activation.wrapped_targets() == []
 
 
+@pytest.mark.requires_patch("allocator")
 def test_second_copy_of_a_patch_does_not_double_wrap():
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -93,6 +95,7 @@ def test_force_applies_out_of_range_patch(monkeypatch):
     assert is_wrapped(_raw(KVCacheManager, "allocate_slots"))
 
 
+@pytest.mark.requires_patch("allocator")
 def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
     import vllm.v1.core.kv_cache_manager  # noqa: F401  (loaded, so wrapped at once)
     import vllm.v1.core.sched.scheduler  # noqa: F401
@@ -235,6 +238,7 @@ def test_missing_required_target_fails_apply_with_its_name():
     assert not patch.applied
 
 
+@pytest.mark.requires_patch("allocator")
 def test_every_patch_exports_its_counters_on_vllms_registry():
     """Not only cudagraph: any activated patch registers the collector, and a count made
     later (e.g. a rollback in EngineCore) is published for the API server's /metrics."""
