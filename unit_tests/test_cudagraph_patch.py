@@ -17,14 +17,7 @@ from vllm_kvguard.fixes import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
 
-NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_logging_configured():
-    """vLLM configures logging on its first config build in a process and that resets the
-    handlers of its child loggers (ours): let it happen before a test captures our log."""
-    coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
+from cg_fixtures import NGRAM3, vllm_logging_configured  # noqa: E402,F401  (fixture: autouse)
 
 
 def activate(**env):
