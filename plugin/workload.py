@@ -30,9 +30,11 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -58,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 FINISHED = ("length", "stop")
+EXIT_GRACE_S = 2.0      # a --serve child that sent its result and has not exited is killed
 
 
 def make_prompts(spec: dict) -> list[list[int]]:
@@ -121,6 +124,7 @@ class Session:
         self.round_cpu_s: list[float] = []       # process CPU time (all threads) per round
         self.totals = {"submitted": 0, "completed": 0, "failed": 0, "aborted": 0}
         self.outputs: list[list[int]] | None = None
+        self._model_dir: str | None = None       # an embedded model written for this run
         self.reasons: list[str] | None = None
         self.consistent = True
 
@@ -165,7 +169,11 @@ class Session:
             if current_platform.is_cuda_alike():
                 engine.update(self.spec["gpu_engine"])
             model = self.spec["model"]
-            model_dir = write_model(model) if model in MODELS else model
+            if model in MODELS:
+                self._model_dir = tempfile.mkdtemp(prefix=f"kvguard-{model}-")
+                model_dir = write_model(model, self._model_dir)
+            else:
+                model_dir = model
             self.llm = LLM(**engine_kwargs(model_dir, **engine))
         except Exception as exc:
             self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
@@ -229,6 +237,8 @@ class Session:
             if out["engine_died"]:      # requests died holding blocks: not comparable
                 state = {f"died_{k}": v for k, v in state.items()}
             out.update(state)
+        if self._model_dir:                 # no round runs after finish()
+            shutil.rmtree(self._model_dir, ignore_errors=True)
         return _finish(out)
 
 
@@ -450,7 +460,7 @@ class WorkloadProcess:
         msg = self._send("finish") and self._expect(RESULT_TAG, timeout)
         if msg:
             try:
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=EXIT_GRACE_S)   # the result is in: no need to wait
             except subprocess.TimeoutExpired:
                 self.kill()
             result = msg
