@@ -138,12 +138,6 @@ def groups(manager):
     return manager.coordinator.single_type_managers
 
 
-def settle(manager, request) -> None:
-    """Apply now what the next ``allocate_slots`` of a running request does first and a
-    rollback keeps (as vLLM's own "no room" return does): ``remove_skipped_blocks``."""
-    manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-
-
 def free_ids(manager) -> list[int]:
     """Free-queue block ids in eviction order."""
     return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
@@ -202,23 +196,14 @@ def state(manager) -> dict[str, Any]:
     return out
 
 
-#: What vLLM itself leaves changed when allocate_slots returns None at its capacity check
-#: (the Mamba predictor's per-attempt checkpoint) or only defers a same-step hit.
-AS_VLLM_LEAVES_THEM = ("_checkpoints", "cached_blocks_this_step")
-
-
-def state_diff(before: dict, after: dict, *, hashes_may_shrink: bool = True,
-               ignore=AS_VLLM_LEAVES_THEM) -> list[str]:
+def state_diff(before: dict, after: dict, *, hashes_may_shrink: bool = True) -> list[str]:
     """Differences between two :func:`state` pictures (empty: identical).
 
     With ``hashes_may_shrink`` the prefix cache may have *forgotten* hashes (what a
-    rollback cannot undo) but must not have gained or changed any. Keys ending in a name
-    of ``ignore`` are skipped.
+    rollback cannot undo) but must not have gained or changed any.
     """
     diffs = []
     for key in sorted(set(before) | set(after)):
-        if any(key.endswith(name) for name in ignore):
-            continue
         a, b = before.get(key), after.get(key)
         if hashes_may_shrink and key == "hashes":
             extra = {k: v for k, v in b.items() if a.get(k) != v}
