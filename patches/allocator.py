@@ -14,9 +14,10 @@ Upstream
     vllm#45856 (engine dies on "Cannot get N free blocks"), vllm#46892 (Mamba align
     external-hit under-count), vllm#35541 / vllm#39734 (never-admittable request hangs).
 Versions
-    0.27.1 - 0.32.x. vLLM 0.33.0 is outside the range: the pinned-version matrix found the
-    undo log leaves the free queue out of order there after a rollback (0.33 changed how
-    ``touch``/``free_blocks`` treat the null block); it stays unpatched until that is fixed.
+    0.27.1 - 0.33.x (unit suite on every pin of pins.txt). The undo replays the pool log
+    with absolute ref counts and predecessor-exact free-queue reinsertion, so 0.33's change
+    to how ``touch``/``free_blocks`` treat the null block (which put the free queue out of
+    order under the earlier container-journal rollback) does not matter.
 Remove when
     vLLM's allocate_slots is transactional (rolls back on a mid-way failure) and the
     scheduler rejects requests that can never fit.
@@ -27,17 +28,19 @@ Hot path
     per call, ``HostCall`` + pluggy ~7 us, so:
 
     * the first call through the class-level wrapper gives that ``KVCacheManager`` an
-      instance attribute ``allocate_slots`` (no descriptor binding per call). It checks
-      on every call that the class attribute is still this patch's wrapper (if anything
-      re-wrapped or reverted it, the instance attribute removes itself) and the patch's
-      teardown removes all of them;
-    * while the only ``kvguard_allocate_slots`` implementation carries a
-      ``kvguard_direct`` entry point (the rollback fix does) and the patch has not
-      tripped, that entry point is called directly, without ``HostCall`` and pluggy;
-    * otherwise the same fail-open ``hooked`` wrapper as the class-level target runs,
-      and :class:`FirstResult` calls the implementations without pluggy's per-call
-      overhead while none is a pluggy wrapper (same order and arguments as pluggy's
-      firstresult call), stopping at the first one that ran vLLM's call.
+      instance attribute ``allocate_slots`` (no descriptor binding per call); the
+      patch's teardown removes all of them;
+    * when the only ``kvguard_allocate_slots`` implementation carries a
+      ``kvguard_direct`` factory (the rollback fix does), that attribute is the function
+      the factory generates for this manager: vLLM's signature, the transaction inline,
+      no ``HostCall``, no pluggy. It checks on every call (a guard expression it is
+      given) that the class attribute is still this patch's wrapper, that the hook's
+      implementations are unchanged and that no patch tripped; otherwise, and when no
+      factory applies, it is the same fail-open ``hooked`` wrapper as the class-level
+      target (removing itself if the class attribute was re-wrapped or reverted), and
+      :class:`FirstResult` calls the implementations without pluggy's per-call overhead
+      while none is a pluggy wrapper (same order and arguments as pluggy's firstresult
+      call), stopping at the first one that ran vLLM's call.
 """
 from __future__ import annotations
 
@@ -83,8 +86,8 @@ class FirstResult:
 
     def sole(self):
         """(pluggy's live implementation list, its sole impl, that impl's
-        ``kvguard_direct``) when exactly one implementation offers a direct entry point;
-        else None. The caller re-checks the live list on every call."""
+        ``kvguard_direct`` factory) when exactly one implementation offers one; else
+        None. The caller re-checks the live list on every call."""
         caller = self._current()
         impls = getattr(caller, "_hookimpls", None)
         plan = self._plan
@@ -131,24 +134,25 @@ def _install_fast_path(manager, bound) -> None:
     if _FAST_ATTR in manager.__dict__:
         return
 
-    sole = [_allocate_hook.sole()]
-    tripped = _registry._tripped
-
-    def fast_allocate_slots(*args, **kwargs):
-        if owner_dict.get(_FAST_ATTR) is not attr:           # re-wrapped or reverted
+    def fallback(*args, **kwargs):
+        if owner_dict.get(_FAST_ATTR) is not attr:           # re-wrapped, reverted, deleted
             manager.__dict__.pop(_FAST_ATTR, None)
             return getattr(manager, _FAST_ATTR)(*args, **kwargs)
-        current = sole[0]
-        if current is not None:
-            impls, impl, direct = current
-            if len(impls) == 1 and impls[0] is impl and NAME not in tripped:
-                return direct(manager, args[0] if args else kwargs["request"],
-                              bound, args, kwargs)
-            sole[0] = _allocate_hook.sole()                 # registrations changed
-        return _fast_wrapper(bound, manager, args, kwargs)
+        return _fast_wrapper(bound, manager, args, kwargs)    # other hookimpls, or tripped
 
-    fast_allocate_slots.__kvguard_fast_path__ = True
-    manager.__dict__[_FAST_ATTR] = fast_allocate_slots
+    fast = None
+    sole = _allocate_hook.sole()
+    if sole is not None:
+        impls, impl, factory = sole
+        fast = factory(manager, bound, guard=(
+            "g_owner_get(g_name) is g_attr and len(g_impls) == 1 and g_impls[0] is g_impl "
+            "and not g_tripped"), guard_cells=dict(
+            g_owner_get=owner_dict.get, g_name=_FAST_ATTR, g_attr=attr, g_impls=impls,
+            g_impl=impl, g_tripped=_registry._tripped), fallback=fallback)
+    if fast is None:
+        fast = fallback
+    fast.__kvguard_fast_path__ = True
+    manager.__dict__[_FAST_ATTR] = fast
     _fast_managers.add(manager)
 
 
@@ -193,7 +197,7 @@ PATCH = Patch(
         Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", allocate_slots),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.schedule", schedule),
     ],
-    vllm_versions=">=0.27.1,<0.33",
+    vllm_versions=">=0.27.1,<0.34",
     upstream=("vllm#45856", "vllm#46892", "vllm#35541", "vllm#39734"),
     remove_when="vLLM rolls back a half-done allocate_slots itself and rejects "
                 "requests that can never fit",

@@ -23,9 +23,11 @@ def kvguard_allocate_slots(manager, request, call):
     The rollback fix runs the call as a transaction (an undo log of what it changes) and
     on a mid-way exception restores every group and the pool and returns None ("no room
     now"). The allocator patch stops at the first implementation that ran ``call()``.
-    Hot path: while a single implementation is registered and its function has an
-    attribute ``kvguard_direct`` (``fn(manager, request, original, args, kwargs)``), the
-    patch calls that directly, without ``HostCall`` and pluggy (patches/allocator.py).
+    Hot path: when a single implementation is registered and its function has an
+    attribute ``kvguard_direct`` (a factory ``(manager, original, guard=, guard_cells=,
+    fallback=) -> function with original's signature, or None``), the patch installs
+    that function on the manager and it runs without ``HostCall`` and pluggy
+    (patches/allocator.py, rollback.make_fast_path).
     """
 
 

@@ -138,6 +138,12 @@ def groups(manager):
     return manager.coordinator.single_type_managers
 
 
+def settle(manager, request) -> None:
+    """Apply now what the next ``allocate_slots`` of a running request does first and a
+    rollback keeps (as vLLM's own "no room" return does): ``remove_skipped_blocks``."""
+    manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+
 def free_ids(manager) -> list[int]:
     """Free-queue block ids in eviction order."""
     return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
@@ -196,14 +202,23 @@ def state(manager) -> dict[str, Any]:
     return out
 
 
-def state_diff(before: dict, after: dict, *, hashes_may_shrink: bool = True) -> list[str]:
+#: What vLLM itself leaves changed when allocate_slots returns None at its capacity check
+#: (the Mamba predictor's per-attempt checkpoint) or only defers a same-step hit.
+AS_VLLM_LEAVES_THEM = ("_checkpoints", "cached_blocks_this_step")
+
+
+def state_diff(before: dict, after: dict, *, hashes_may_shrink: bool = True,
+               ignore=AS_VLLM_LEAVES_THEM) -> list[str]:
     """Differences between two :func:`state` pictures (empty: identical).
 
     With ``hashes_may_shrink`` the prefix cache may have *forgotten* hashes (what a
-    rollback cannot undo) but must not have gained or changed any.
+    rollback cannot undo) but must not have gained or changed any. Keys ending in a name
+    of ``ignore`` are skipped.
     """
     diffs = []
     for key in sorted(set(before) | set(after)):
+        if any(key.endswith(name) for name in ignore):
+            continue
         a, b = before.get(key), after.get(key)
         if hashes_may_shrink and key == "hashes":
             extra = {k: v for k, v in b.items() if a.get(k) != v}
@@ -243,9 +258,18 @@ def make_vllm_config(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE,
         max_model_len=max_model_len, is_encoder_decoder=False)))
     cache = CacheConfig(**accepted(CacheConfig, dict(
         block_size=block_size, enable_prefix_caching=enable_prefix_caching)))
-    config = VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=cache)
+    config = VllmConfig(**accepted(VllmConfig, dict(
+        model_config=model_config, scheduler_config=sched, cache_config=cache,
+        device_config=_cpu_device())))
     config.cache_config.num_gpu_blocks = num_gpu_blocks
     return config
+
+
+def _cpu_device():
+    """The CPU device explicitly: a CUDA build of vLLM on this machine cannot infer one."""
+    from vllm.config import DeviceConfig
+
+    return DeviceConfig(device="cpu")
 
 
 def make_scheduler(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE, **config_kw):

@@ -20,7 +20,14 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
 
 
+ERRORS: dict = {}
+
+
 def finish_reasons(engine_outputs) -> dict[str, str]:
+    for eco in engine_outputs.values():
+        for o in eco.outputs:
+            if getattr(o, "error", None) is not None:        # vLLM 0.33+: per-request error
+                ERRORS[o.request_id] = o.error
     return {o.request_id: str(o.finish_reason) for eco in engine_outputs.values()
             for o in eco.outputs if o.finish_reason is not None}
 
@@ -63,6 +70,8 @@ def test_guard_finishes_the_unschedulable_head_within_bounded_steps(kvguard_log)
     assert "request big" in line and "25 KV-cache blocks" in line
     assert "16 usable blocks" in line and "KVGUARD_LIVENESS_STEPS" in line
     assert report.snapshot()["liveness"] == {"finished_unschedulable": 1}
+    if "big" in ERRORS:                                  # the client gets the message too
+        assert "25 KV-cache blocks" in ERRORS["big"].message
 
     finished, scheduled = run(sched, 12)                 # the others proceed
     assert finished == {"small0": "length", "small1": "length"}

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
-                         prefill, state, state_diff)
+                         prefill, settle, state, state_diff)
 
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes import faults, rollback  # noqa: E402
@@ -123,6 +123,7 @@ def test_running_request_fault_is_rolled_back(nsb, lookahead):
     m, run = cached_prefix_manager(nsb=nsb)
     for _ in range(40):
         m.new_step_starts()
+        settle(m, run)
         before = state(m)
         arm(1)
         out = decode(m, run, lookahead=lookahead)
@@ -237,16 +238,13 @@ def test_rolled_back_hook_names_the_group(kvguard_log):
 
 
 # ------------------------------------------------------------------------- the machinery
-def test_fast_path_and_containers_are_removed_on_deactivate():
+def test_fast_path_and_pool_shadows_are_removed_on_deactivate():
     activate()
     m, run = cached_prefix_manager()
     assert "allocate_slots" in vars(m)                   # per-instance fast path
-    assert type(groups(m)[0].req_to_blocks).__name__ == "JDefaultDict"
     assert "get_new_blocks" in vars(m.block_pool)
     activation.deactivate()
     assert "allocate_slots" not in vars(m)
-    assert type(groups(m)[0].req_to_blocks).__name__ == "defaultdict"
-    assert type(groups(m)[1].num_cached_block) is dict
     assert "get_new_blocks" not in vars(m.block_pool)
     assert decode(m, run) is not None                    # vLLM runs as before
 
@@ -273,3 +271,62 @@ def test_free_queue_order_is_restored_exactly():
     arm(2)                                               # the Mamba group's pop, last
     assert admit(m, req) is None
     assert free_ids(m) == order
+
+
+@pytest.mark.parametrize("caching,nsb,mamba_first", [(True, 0, False), (True, 2, True),
+                                                     (False, 2, False)])
+def test_generated_fast_path_records_what_record_does(mocker, caching, nsb, mamba_first):
+    """The per-manager generated transaction (the hot path) captures exactly the state
+    the generic ``record`` does, for new and running requests."""
+    activate()
+    m = hybrid_manager(48, enable_caching=caching, nsb=nsb, mamba_first=mamba_first)
+    run = make_request("running", prompt(2, 40))
+    assert prefill(m, run, lookahead=2) is not None
+    assert m.allocate_slots.__code__.co_filename == "<kvguard allocate_slots transaction>"
+    plan = rollback.plan_for(m)
+    seen = []
+    original = rollback._recover
+
+    def spy(plan_, rec, *args):
+        seen.append(rec)
+        return original(plan_, rec, *args)
+
+    mocker.patch.object(rollback, "_recover", side_effect=spy)
+    m.new_step_starts()
+    fresh = hitting_request("fresh")
+    expected = rollback.record(plan, fresh.request_id)
+    arm(1)
+    assert admit(m, fresh, lookahead=2) is None
+    assert seen.pop() == expected
+    for _ in range(40):                   # decode until a step needs a new block
+        m.new_step_starts()
+        expected = rollback.record(plan, run.request_id)
+        arm(1)
+        if decode(m, run, lookahead=2) is None:
+            assert fired() and seen.pop() == expected
+            return
+    pytest.fail("no decode step popped a block")
+
+
+def test_other_hookimpls_get_the_generic_path_and_still_roll_back():
+    seen = []
+
+    class Observer:
+        from vllm_kvguard.hookspecs import hookimpl
+
+        @hookimpl
+        def kvguard_allocate_slots(self, manager, request, call):
+            seen.append(request.request_id)          # observes, lets the next impl run
+
+    activate()
+    register(Observer(), "test.observer")
+    try:
+        m = hybrid_manager(32)
+        req = make_request("r", prompt(1, 40))
+        arm(2)
+        assert admit(m, req) is None                  # rolled back through pluggy
+        assert m.allocate_slots.__code__.co_filename != "<kvguard allocate_slots transaction>"
+    finally:
+        unregister("test.observer")
+    assert seen == ["r"]
+    assert report.snapshot()["rollback"] == {"InjectedFault": 1}

@@ -185,6 +185,14 @@ def audit_scheduler(scheduler) -> AuditResult:
                          attribute_refs=getattr(scheduler, "connector", None) is None)
 
 
+def audit_kv_cache_manager(manager, scheduler=None) -> list[Violation]:
+    """The violations in ``manager`` (its scheduler's view too when given): the entry
+    point of the workload runner and the A/B tool; empty when the pool is consistent."""
+    if scheduler is not None and getattr(scheduler, "kv_cache_manager", None) is manager:
+        return audit_scheduler(scheduler).violations
+    return audit_manager(manager).violations
+
+
 def report_violations(result: AuditResult, where: str = "after schedule") -> None:
     """Count every violation; log one line per kind and request (per kind without one)."""
     for v in result.violations:

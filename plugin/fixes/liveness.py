@@ -98,10 +98,15 @@ def _finish(scheduler, request, steps: int) -> None:
         f"{waiting} request(s) behind it can run. Give the KV cache more room "
         f"(gpu_memory_utilization, kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE), or "
         f"lower max_model_len / the prompt length; KVGUARD_LIVENESS_STEPS sets the patience.")
+    # The scheduler's own per-request error path, drained by update_from_output:
+    # finish_requests(FINISHED_ERROR) and an EngineCoreOutput with finish_reason=error
+    # (on 0.33+ carrying this message to the client as a GenerationError).
     errors = getattr(scheduler, "grammar_compile_error_reqs", None)
-    if isinstance(errors, set):
-        # drained by update_from_output: finish_requests(FINISHED_ERROR) plus an
-        # EngineCoreOutput with finish_reason=error for the client
+    request_error = _request_error(message) if isinstance(errors, dict) else None
+    if request_error is not None:
+        errors[request.request_id] = request_error
+        how = "finished with this error"
+    elif isinstance(errors, set):
         errors.add(request.request_id)
         how = "finished with an error"
     else:
@@ -112,6 +117,14 @@ def _finish(scheduler, request, steps: int) -> None:
     logger.error("%s [%s]", message, how)
     once(logging.INFO, ("liveness-first",),
          "vllm-kvguard: liveness guard acted; counter 'liveness' in the report")
+
+
+def _request_error(message: str):
+    try:
+        from vllm.outputs import RequestError
+    except ImportError:
+        return None
+    return RequestError(code="kv_cache_capacity", message=message)
 
 
 @hookimpl
