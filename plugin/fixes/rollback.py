@@ -95,6 +95,19 @@ _POP, _TOUCH, _CACHE, _MOVE = range(4)
 
 # ------------------------------------------------------------------------- pool journal
 @functools.lru_cache(maxsize=64)
+def _params(func) -> tuple[str, ...] | None:
+    """``func``'s parameter names without ``self`` (None: not introspectable or not plain)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    names = tuple(p.name for p in params)
+    return names[1:] if names and names[0] == "self" else names
+
+
+@functools.lru_cache(maxsize=64)
 def _param_index(func, name: str) -> int | None:
     """Positional index of ``name`` in ``func``'s signature without ``self`` (or None)."""
     try:
@@ -142,11 +155,19 @@ class PoolJournal:
                                          "block")
         self._installed: list[str] = []
 
+    #: Shadows with the class method's exact parameters (a plain call, no ``*args``
+    #: repacking, on the hot path), used when the installed vLLM's signature matches.
+    EXACT = {"get_new_blocks": ("num_blocks",), "touch": ("blocks",)}
+
     def install(self) -> None:
         d = vars(self.pool)
         for name in self.NAMES:
             if hasattr(self.cls, name) and name not in d:
-                d[name] = getattr(self, "_" + name)
+                shadow = getattr(self, "_" + name)
+                exact = self.EXACT.get(name)
+                if exact is not None and _params(getattr(self.cls, name)) == exact:
+                    shadow = getattr(self, "_" + name + "_exact")
+                d[name] = shadow
                 self._installed.append(name)
 
     def uninstall(self) -> None:
@@ -157,6 +178,16 @@ class PoolJournal:
         self._installed.clear()
 
     # -- shadows
+    def _get_new_blocks_exact(self, num_blocks):
+        if _log is None:
+            return self.cls.get_new_blocks(self.pool, num_blocks)
+        return self._get_new_blocks(num_blocks)
+
+    def _touch_exact(self, blocks):
+        if _log is None:
+            return self.cls.touch(self.pool, blocks)
+        return self._touch(blocks)
+
     def _get_new_blocks(self, *args, **kwargs):
         if (log := _log) is None:
             return self.cls.get_new_blocks(self.pool, *args, **kwargs)
