@@ -8,9 +8,9 @@ How it measures (see also :mod:`vllm_kvguard.abstats`):
   vllm_kvguard.workload --serve``), A and B: a given pair of processes carries a bias of
   its own (memory layout, hash seed; an A/A run measured several percent), which only
   fresh processes average out, as pyperf does;
-* in a pair, both import vLLM at once (the plugin is not active yet), then engine A is
-  built, then engine B ("startup s" is ``LLM(...)`` alone, neither competing with the
-  other); both stay alive, idle while the other works, pinned to the same CPU(s);
+* in a pair, both import vLLM and build their engine at the same time ("startup s" is
+  ``LLM(...)`` alone, each under the same load from the other); then both stay alive,
+  idle while the other works, pinned to the same CPU(s);
 * ``--warmup`` unmeasured rounds on each, then one sample: ``--rounds`` generate rounds of
   the same deterministic greedy workload on each engine, one by one in ABBA order; a
   sample's throughput = generated tokens of a round / its fastest round inside
@@ -446,8 +446,12 @@ def run_pair(name: str, index: int, spec: dict, sides: list[Side], settings: dic
         prog.say(f"{tag}: importing vLLM in {' and '.join(s.key for s in sides)}")
         for side in sides:
             side.proc.imported(timeout)
+        prog.say(f"{tag}: building the engines "
+                 + ", ".join(f"{s.key} (plugin {s.label})" for s in sides))
+        for side in sides:                  # built at once: each under the other's load
+            if side.proc.imported(timeout).get("ok"):
+                side.proc.start()
         for side in sides:
-            prog.say(f"{tag}: starting engine {side.key} (plugin {side.label})")
             side.ready = side.proc.ready(timeout)
             prog.say(f"{tag}: engine {side.key} "
                      + (f"up in {side.ready['engine_s']:.1f} s" if side.ready.get("ok")
@@ -468,6 +472,8 @@ def run_pair(name: str, index: int, spec: dict, sides: list[Side], settings: dic
                     side.sample + times)
         prog.say(f"{tag}: sample of {rounds} rounds each: "
                  + ", ".join(f"{s.key} {_best_s(s.sample)}" for s in sides), advance=2)
+        for side in sides:
+            side.proc.request_finish()
         for side in sides:
             side.final = side.proc.finish(timeout)
         prog.say(f"{tag}: engines stopped", advance=2)

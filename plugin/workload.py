@@ -56,7 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "repetitive": True,        # prompts repeat a short pattern, so ngram drafting proposes
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
-    "cpus": None,              # CPU ids to pin the engine to (after the import, before LLM())
+    "cpus": None,              # CPU ids to pin the process to once the engine is built
 }
 
 FINISHED = ("length", "stop")
@@ -156,8 +156,6 @@ class Session:
         """Build the engine: ``engine_s`` (``LLM(...)``), ``startup_s`` (import + engine)."""
         if not self.import_vllm():
             return False
-        if self.spec["cpus"]:
-            _pin(self.spec["cpus"])
         t0 = time.perf_counter()
         try:
             from vllm import LLM, SamplingParams
@@ -181,6 +179,8 @@ class Session:
             return False
         self.out["engine_s"] = time.perf_counter() - t0
         self.out["startup_s"] = self.out["import_s"] + self.out["engine_s"]
+        if self.spec["cpus"]:               # for the rounds only: building is faster unpinned
+            _pin(self.spec["cpus"])
         self.params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False,
                                      max_tokens=self.spec["max_tokens"])
         self.prompts = [{"prompt_token_ids": p} for p in make_prompts(self.spec)]
@@ -375,6 +375,7 @@ class WorkloadProcess:
     def __init__(self, spec: dict, env: dict[str, str] | None = None):
         self.spec = spec
         self._imported: dict | None = None
+        self._sent_start = self._sent_finish = False
         self.hung = False
         self.error: str | None = None
         self._lines: queue.Queue = queue.Queue()
@@ -440,12 +441,23 @@ class WorkloadProcess:
             self._imported = msg if msg is not None else {"ok": False, "error": self.error}
         return self._imported
 
+    def start(self) -> None:
+        """Ask the child to build its engine (once); :meth:`ready` waits for it."""
+        if not self._sent_start:
+            self._sent_start = self._send("start")
+
     def ready(self, timeout: float = 600.0) -> dict:
         """Build the engine and wait for it: ``{"ok", "startup_s", "engine_s", "error"}``."""
         if not self.imported(timeout).get("ok") and self.error:
             return {"ok": False, "error": self.error}
-        msg = self._send("start") and self._expect(READY_TAG, timeout)
+        self.start()
+        msg = self._sent_start and self._expect(READY_TAG, timeout)
         return msg if msg else {"ok": False, "error": self.error}
+
+    def request_finish(self) -> None:
+        """Ask the child for its result (once); :meth:`finish` collects it."""
+        if not self._sent_finish:
+            self._sent_finish = self._send("finish")
 
     def rounds(self, n: int, timeout: float = 300.0) -> dict:
         """Run ``n`` generate rounds: ``{"ok", "round_s", "engine_died", "error"}``."""
@@ -457,7 +469,8 @@ class WorkloadProcess:
 
     def finish(self, timeout: float = 120.0) -> dict:
         """The full result (as :func:`run` returns it), ``stderr`` tail added; ends the child."""
-        msg = self._send("finish") and self._expect(RESULT_TAG, timeout)
+        self.request_finish()
+        msg = self._sent_finish and self._expect(RESULT_TAG, timeout)
         if msg:
             try:
                 self.proc.wait(timeout=EXIT_GRACE_S)   # the result is in: no need to wait
