@@ -46,59 +46,36 @@ from __future__ import annotations
 
 import weakref
 
-from vllm_kvguard import manager as _manager_mod
 from vllm_kvguard import registry as _registry
-from vllm_kvguard.manager import hook
+from vllm_kvguard.manager import DirectHook
 from vllm_kvguard.registry import HostCall, Patch, Target, first_result, hooked, is_wrapped
 
 NAME = "allocator"
 _FAST_ATTR = "allocate_slots"
 
 
-class FirstResult:
-    """A ``firstresult`` hook call without pluggy's per-call overhead (see module doc)."""
+class FirstResult(DirectHook):
+    """``kvguard_allocate_slots`` without pluggy's per-call overhead: the implementations
+    are called (same order and arguments as pluggy's firstresult call) until one returns
+    a result or runs vLLM's call (see module doc)."""
 
     def __init__(self, hook_name: str):
-        self.hook_name = hook_name
-        self._pm = None
-        self._caller = None
-        self._impls = None
-        self._plan = None
-
-    def _refresh(self):
-        pm = _manager_mod.get_plugin_manager()
-        self._pm = pm
-        self._caller = getattr(pm.hook, self.hook_name)
-        self._impls = None
-
-    def _current(self):
-        if self._pm is not _manager_mod._pm:
-            self._refresh()
-        caller = self._caller
-        impls = getattr(caller, "_hookimpls", None)
-        if impls is None:
-            impls = caller.get_hookimpls()
-        if impls != self._impls:
-            self._impls = list(impls)
-            self._plan = None if any(i.hookwrapper or i.wrapper for i in impls) else [
-                (i.function, i.argnames) for i in reversed(impls)]
-        return caller
+        super().__init__(hook_name, firstresult=True)
 
     def sole(self):
         """(pluggy's live implementation list, its sole impl, that impl's
         ``kvguard_direct`` factory) when exactly one implementation offers one; else
         None. The caller re-checks the live list on every call."""
-        caller = self._current()
+        caller = self.current()
         impls = getattr(caller, "_hookimpls", None)
-        plan = self._plan
-        if impls is None or plan is None or len(impls) != 1:
+        if impls is None or self.plan is None or len(impls) != 1:
             return None
         direct = getattr(impls[0].function, "kvguard_direct", None)
         return None if direct is None else (impls, impls[0], direct)
 
     def __call__(self, call: HostCall, **kwargs):
-        caller = self._current()
-        plan = self._plan
+        caller = self.current()
+        plan = self.plan
         if plan is None:
             return first_result(caller, call, **kwargs)
         kwargs["call"] = call
@@ -170,10 +147,13 @@ def allocate_slots(call: HostCall):
     return _allocate_core(call)
 
 
+_after_schedule = DirectHook("kvguard_after_schedule")
+
+
 @hooked(NAME)
 def schedule(call: HostCall):
     output = call()
-    hook().kvguard_after_schedule(scheduler=call.instance, output=output)
+    _after_schedule(scheduler=call.instance, output=output)
     return output
 
 

@@ -39,3 +39,62 @@ def unregister(name: str) -> None:
     pm = get_plugin_manager()
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
+
+
+class DirectHook:
+    """Calls one hook's implementations without pluggy's per-call overhead, for hooks on
+    a hot path (once per scheduler step or per allocation).
+
+    Same implementations, order (last registered first) and results as
+    ``hook().<name>(**kwargs)``: a list of the non-None results, or for a ``firstresult``
+    hook the first non-None one. The plan is rebuilt whenever the manager or its
+    implementation list changes; while any implementation is a pluggy wrapper the call
+    goes through pluggy itself.
+    """
+
+    def __init__(self, hook_name: str, firstresult: bool = False):
+        self.hook_name = hook_name
+        self.firstresult = firstresult
+        self._pm = None
+        self._caller = None
+        self._impls = None
+        self._plan = None
+
+    def current(self):
+        """pluggy's HookCaller, with :attr:`plan` refreshed: ``[(function, argnames)]``
+        in call order, or None while a wrapper implementation is registered."""
+        if self._pm is not _pm or self._caller is None:
+            self._pm = get_plugin_manager()
+            self._caller = getattr(self._pm.hook, self.hook_name)
+            self._impls = None
+        caller = self._caller
+        impls = getattr(caller, "_hookimpls", None)
+        if impls is None:
+            impls = caller.get_hookimpls()
+        if impls != self._impls:
+            self._impls = list(impls)
+            self._plan = None if any(i.hookwrapper or i.wrapper for i in impls) else [
+                (i.function, i.argnames) for i in reversed(impls)]
+        return caller
+
+    @property
+    def plan(self):
+        return self._plan
+
+    def __call__(self, **kwargs):
+        caller = self.current()
+        plan = self._plan
+        if plan is None:
+            return caller(**kwargs)
+        if self.firstresult:
+            for function, argnames in plan:
+                result = function(*[kwargs[a] for a in argnames])
+                if result is not None:
+                    return result
+            return None
+        results = []
+        for function, argnames in plan:
+            result = function(*[kwargs[a] for a in argnames])
+            if result is not None:
+                results.append(result)
+        return results

@@ -21,7 +21,6 @@ a change of head or free count) resets the count.
 from __future__ import annotations
 
 import logging
-import weakref
 
 from vllm_kvguard import report
 from vllm_kvguard.hookspecs import hookimpl
@@ -37,7 +36,8 @@ class _Watch:
         self.steps = 0
 
 
-_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ATTR = "_kvguard_liveness"     # the scheduler's _Watch (an instance attribute: no lookup
+                                # table, gone with the scheduler)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -132,14 +132,15 @@ def kvguard_after_schedule(scheduler, output):
     from vllm_kvguard.activation import flags
 
     try:
-        watch = _watches.get(scheduler)
-        if watch is None:
-            watch = _watches[scheduler] = _Watch()
         head = _head(scheduler) if _stuck(scheduler, output) else None
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        if head is None:
-            watch.head, watch.free, watch.steps = None, None, 0
+        watch = scheduler.__dict__.get(_ATTR)
+        if head is None:                # progress (the every-step case): nothing to watch
+            if watch is not None and watch.steps:
+                watch.head, watch.free, watch.steps = None, None, 0
             return
+        if watch is None:
+            watch = scheduler.__dict__[_ATTR] = _Watch()
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         if head is not watch.head or free != watch.free:
             watch.head, watch.free, watch.steps = head, free, 1
         else:
