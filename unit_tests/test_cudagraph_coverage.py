@@ -7,15 +7,21 @@ V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager._init_candidates``; nothing i
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from vllm_kvguard.fixes import coverage  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 from cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
 
+
+
+def gaps(row) -> str:
+    return row.uncovered_ranges() if row.first_gap is not None else "no"
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +33,16 @@ def worked_v1():
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_worked_example_uncovered_129_to_256(runner):
     vc = plan(runner)
-    assert vc.compilation_config.max_cudagraph_capture_size == 512
     cov = coverage.audit(coverage.plan_owner(vc, runner))
     row = cov.row(q=4)
+    ceiling = vc.compilation_config.max_cudagraph_capture_size
+    gap = (f"{runner}, k=3, max_num_seqs=256, default sizes: capture max {ceiling} tokens, "
+           f"widest decode {row.family.hi * 4}; decodes of "
+           f"{gaps(row)} requests uncovered"
+           + (f" ({row.gap_mode})" if row.first_gap is not None else ""))
+    record_defect("cudagraph", "vllm#27325", present=row.first_gap is not None, detail=gap)
+    record_defect("cudagraph", "vllm#50488", present=row.covered < row.family.hi, detail=gap)
+    assert vc.compilation_config.max_cudagraph_capture_size == 512
     assert (row.family.lo, row.family.hi) == (1, 256)
     assert row.covered == 128 and row.first_gap == 129 and row.gap_mode == "NONE"
     assert row.uncovered_ranges() == "129-256"
@@ -65,6 +78,75 @@ def test_suggestion_when_no_bare_max_covers():
     assert "cudagraph_capture_sizes=" in row.fix
     vc = plan(max_num_seqs=300, speculative_config=k2, compilation_config=row.fix_setting)
     assert coverage.audit(coverage.plan_owner(vc)).row(q=3).ok
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_explicit_max_is_truncated_below_the_widest_decode(runner):
+    """vllm#54933's own example: k=6 (a 7-token verify), max_num_seqs=6 and an explicit
+    max_cudagraph_capture_size=42 = 6 x 7. vLLM truncates 42 to its grid (40; V1 then to
+    its multiples of 7: 35), so the 6-request verify has no graph and runs eager."""
+    k6 = {**NGRAM3, "num_speculative_tokens": 6}
+    vc = plan(runner, max_num_seqs=6, speculative_config=k6,
+              compilation_config={"max_cudagraph_capture_size": 42})
+    resolved = vc.compilation_config.max_cudagraph_capture_size
+    row = coverage.audit(coverage.plan_owner(vc, runner)).row(q=7)
+    record_defect("cudagraph", "vllm#54933", present=resolved < 42 and row.first_gap is not None,
+                  detail=f"{runner}, k=6, max_num_seqs=6, max_cudagraph_capture_size=42 -> "
+                         f"{resolved}; decodes of {gaps(row)} requests "
+                         f"uncovered")
+    assert row.family.hi == 6
+    assert (row.first_gap is not None) == (resolved < 42)
+    if row.first_gap is not None:
+        assert row.uncovered_ranges() == "6" and row.reason == "over_max_capture_size"
+        assert row.gap_mode == "NONE"
+        fixed = plan(runner, max_num_seqs=6, speculative_config=k6,
+                     compilation_config=row.fix_setting)
+        assert coverage.audit(coverage.plan_owner(fixed, runner)).row(q=7).ok
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_max_num_seqs_off_the_grid_without_speculation(runner):
+    """vllm#57355: no speculation, FULL_AND_PIECEWISE, max_num_seqs=250 (not a multiple of
+    8). Where vLLM sizes FULL decode graphs up to its grid below 250 (248), decodes of
+    249-250 requests pad to a size with no FULL graph and run PIECEWISE."""
+    vc = plan(runner, mode="FULL_AND_PIECEWISE", max_num_seqs=250, speculative_config=None)
+    row = coverage.audit(coverage.plan_owner(vc, runner)).row(q=1)
+    record_defect("cudagraph", "vllm#57355", present=row.first_gap is not None,
+                  detail=f"{runner}, max_num_seqs=250, no spec: decodes of "
+                         f"{gaps(row)} requests without a FULL graph"
+                         + (f" ({row.gap_mode})" if row.first_gap is not None else ""))
+    assert row.family.hi == 250
+    if row.first_gap is not None:
+        assert row.uncovered_ranges() == "249-250" and row.gap_mode == "PIECEWISE"
+    else:
+        assert row.ok and row.covered == 250
+
+
+def test_vllm_itself_does_not_warn_about_the_gap():
+    """vllm#51509 (warn when decode batches are not covered): building the worked example's
+    config and graph keys as vLLM does (sizing, mode resolution, dispatcher keys; capture
+    itself needs a GPU) logs no vLLM warning about graphs, though 129-256 are uncovered."""
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler, vllm_logger = Collect(), logging.getLogger("vllm")
+    vllm_logger.addHandler(handler)
+    try:
+        vc = plan()
+        row = coverage.audit(coverage.plan_owner(vc)).row(q=4)
+    finally:
+        vllm_logger.removeHandler(handler)
+    about = [m for m in handler.messages if re.search(r"graph|captur", m, re.IGNORECASE)]
+    record_defect("cudagraph", "vllm#51509", present=row.first_gap is not None and not about,
+                  detail=f"decodes of {gaps(row)} requests uncovered; "
+                         f"{len(about)} vLLM warning(s) about graphs"
+                         + (f": {about[0][:80]}" if about else ""))
+    assert row.first_gap == 129
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])

@@ -12,6 +12,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 from vllm_kvguard import metrics, report  # noqa: E402
 from vllm_kvguard.fixes import fallbacks  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 
 @pytest.fixture
@@ -80,3 +81,46 @@ def test_teardown_removes_what_it_created():
     metrics.teardown()
     assert not os.path.exists(directory) and metrics.ENV_DIR not in os.environ
     assert "kvguard_cudagraph_fallbacks" not in text(reg)
+
+
+# ----------------------------------------------------------------------------- vLLM's own
+def test_vllm_prometheus_logger_has_no_cudagraph_mode_counter():
+    """vllm#37576 (open): a Prometheus counter of iterations by CUDA-graph runtime mode.
+    vLLM's real ``PrometheusStatLogger``, built on a planned config with
+    ``cudagraph_metrics`` on, registers no collector about CUDA graphs."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics import loggers
+
+    from vllm_kvguard.fixes import coverage
+
+    vc = coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
+    vc.observability_config.cudagraph_metrics = True
+    reg = prometheus_client.REGISTRY
+    before = dict(reg._names_to_collectors)
+    try:
+        loggers.PrometheusStatLogger(vc, [0])
+    finally:
+        added = {n: c for n, c in reg._names_to_collectors.items() if before.get(n) is not c}
+        for collector in {id(c): c for c in added.values()}.values():
+            reg.unregister(collector)                # only what this logger registered
+    graph_metrics = sorted(n for n in added if "graph" in n.lower())
+    record_defect("cudagraph", "vllm#37576", present=bool(added) and not graph_metrics,
+                  detail=f"PrometheusStatLogger registers {len(added)} series, "
+                         f"{len(graph_metrics)} about CUDA graphs"
+                         + (f" ({', '.join(graph_metrics[:3])})" if graph_metrics else ""))
+    assert added                                  # the logger did register its metrics
+
+
+def test_model_runner_v2_carries_cudagraph_stats():
+    """vllm#52728: ``--cudagraph-metrics`` printed nothing on model runner V2 (the default
+    for dense models), which never carried a ``CUDAGraphStat`` from ``execute_model`` to
+    ``ModelRunnerOutput`` (fixed by vllm#52358: a ``cudagraph_stats`` field on V2's
+    ``ExecuteModelState``). V1's state has carried it all along."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker import gpu_model_runner as v1
+    v2 = pytest.importorskip("vllm.v1.worker.gpu.model_runner")
+
+    v2_fields = tuple(v2.ExecuteModelState._fields)
+    record_defect("cudagraph", "vllm#52728", present="cudagraph_stats" not in v2_fields,
+                  detail="MRV2 ExecuteModelState fields: " + ", ".join(v2_fields))
+    assert "cudagraph_stats" in v1.ExecuteModelState._fields

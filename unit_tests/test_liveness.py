@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 from kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
 from vllm_kvguard import activation, report  # noqa: E402
+from vllm_kvguard.truth_table import record_defect  # noqa: E402
 
 STEPS = 8
 
@@ -54,6 +55,15 @@ def test_without_the_guard_nothing_ever_progresses():
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
     sched = stuck_scheduler()
     finished, scheduled = run(sched, 20 * STEPS)      # the "timeout"
+    stuck = finished == {} and not any(scheduled) and len(sched.waiting) == 3
+    mml = sched.vllm_config.model_config.max_model_len
+    usable = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    detail = (f"400-token prompt needs 25 blocks, {usable} usable: after {20 * STEPS} steps "
+              f"{len(finished)} finished, {sum(scheduled)} tokens scheduled, "
+              f"{len(sched.waiting)} waiting")
+    record_defect("allocator", "vllm#35541", present=stuck, detail=detail)
+    record_defect("allocator", "vllm#39734", present=stuck and 400 + 4 <= mml,
+                  detail=f"{detail}; request within max_model_len={mml}")
     assert finished == {} and not any(scheduled)
     assert len(sched.waiting) == 3
 

@@ -142,6 +142,35 @@ def test_prefill_reserves_what_the_allocator_reserves():
     assert report.snapshot()["warmup"] == {"ok": 1}
 
 
+def test_prefill_reserves_the_lookahead_tokens():
+    """Full attention only, block 16, k=8: the warmup prefill request has 10 tokens and
+    a real ``KVCacheManager`` admitting it with 8 lookahead tokens holds 2 blocks. 0.27.1's
+    warmup sizes it from the tokens alone (1 block, vllm#50531); 0.32+ and the patch give 2."""
+    from kv_fixtures import groups, make_manager, make_request, prefill
+
+    k, mml, spec = 8, 256, spec_full(16)
+    prompt_len = k + 2                                   # decode_query_len + 1
+    manager = make_manager([spec], num_blocks=64, max_model_len=mml)
+    assert prefill(manager, make_request("r", range(3, 3 + prompt_len)), lookahead=k)
+    want = len(groups(manager)[0].req_to_blocks["r"])
+    assert want == reserved_blocks(spec, prompt_len, num_lookahead_tokens=k,
+                                   max_model_len=mml).table == 2
+
+    before = Worker()
+    run_warmup(make_runner([spec], 200, k=k, max_model_len=mml), before)
+    given = before.prefill_blocks(0)
+    record_defect("warmup", "vllm#50531", present=given < want,
+                  detail=f"k={k}, {prompt_len}-token prefill, block 16: warmup gives {given} "
+                         f"of the {want} blocks allocate_slots holds with lookahead")
+    assert given == (want if NEW_WARMUP else 1)
+
+    patched()
+    after = Worker()
+    run_warmup(make_runner([spec], 200, k=k, max_model_len=mml), after)
+    assert after.prefill_blocks(0) == want
+    assert max(after.block_ids()) < 200
+
+
 # --------------------------------------------------------------------------- in bounds
 def test_measured_overflow_case_stays_in_bounds(kvguard_log):
     """Align, k=7, max_model_len 32, block 16, 11-block pool: vLLM hands out id 11."""
