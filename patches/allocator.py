@@ -40,18 +40,24 @@ Hot path
       target (removing itself if the class attribute was re-wrapped or reverted), and
       :class:`FirstResult` calls the implementations without pluggy's per-call overhead
       while none is a pluggy wrapper (same order and arguments as pluggy's firstresult
-      call), stopping at the first one that ran vLLM's call.
+      call), stopping at the first one that ran vLLM's call;
+    * neither the manager's nor its pool's ``__dict__`` is ever read (instance attributes
+      go through ``rollback.own_attr``/``set_own_attr``): on CPython 3.11 a materialised
+      instance dict de-specialises every vLLM method call and attribute load on that
+      object, which cost more than the transaction itself.
 """
 from __future__ import annotations
 
 import weakref
 
 from vllm_kvguard import registry as _registry
+from vllm_kvguard.fixes.rollback import del_own_attr, own_attr, set_own_attr
 from vllm_kvguard.manager import DirectHook
 from vllm_kvguard.registry import HostCall, Patch, Target, first_result, hooked, is_wrapped
 
 NAME = "allocator"
 _FAST_ATTR = "allocate_slots"
+_MISSING = object()
 
 
 class FirstResult(DirectHook):
@@ -108,12 +114,12 @@ def _install_fast_path(manager, bound) -> None:
     owner_dict, attr = _class_attr(type(manager), _FAST_ATTR)
     if not (is_wrapped(attr) and getattr(attr, "_self_wrapper", None) is allocate_slots):
         return                        # a subclass override or another wrapper on top
-    if _FAST_ATTR in manager.__dict__:
+    if own_attr(manager, _FAST_ATTR, _MISSING) is not _MISSING:
         return
 
     def fallback(*args, **kwargs):
         if owner_dict.get(_FAST_ATTR) is not attr:           # re-wrapped, reverted, deleted
-            manager.__dict__.pop(_FAST_ATTR, None)
+            del_own_attr(manager, _FAST_ATTR)
             return getattr(manager, _FAST_ATTR)(*args, **kwargs)
         return _fast_wrapper(bound, manager, args, kwargs)    # other hookimpls, or tripped
 
@@ -129,15 +135,15 @@ def _install_fast_path(manager, bound) -> None:
     if fast is None:
         fast = fallback
     fast.__kvguard_fast_path__ = True
-    manager.__dict__[_FAST_ATTR] = fast
+    set_own_attr(manager, _FAST_ATTR, fast)     # never via manager.__dict__ (rollback.own_attr)
     _fast_managers.add(manager)
 
 
 def _remove_fast_paths() -> None:
     for manager in list(_fast_managers):
-        fast = manager.__dict__.get(_FAST_ATTR)
+        fast = own_attr(manager, _FAST_ATTR)
         if getattr(fast, "__kvguard_fast_path__", False):
-            del manager.__dict__[_FAST_ATTR]
+            object.__delattr__(manager, _FAST_ATTR)
     _fast_managers.clear()
 
 

@@ -83,6 +83,52 @@ KNOWN_COORDINATORS = frozenset({
 })
 
 
+# ------------------------------------------------------------------- instance attributes
+# CPython 3.11 keeps an object's attributes in inline "values" until its ``__dict__`` is
+# read; from then on the dict is materialised for good and every ``obj.method()`` on it
+# loses its LOAD_METHOD specialisation (and attribute loads theirs): ~25 ns more per
+# access. vLLM makes dozens of such accesses on the KVCacheManager and the BlockPool per
+# allocate_slots, so vllm-kvguard never reads their ``__dict__``: instance attributes are
+# set, read and deleted through the attribute protocol (``object.__setattr__`` and
+# ``object.__delattr__``: no class ``__setattr__`` hook runs, as with a dict write).
+def own_attr(obj, name, default=None):
+    """``obj.__dict__.get(name, default)`` without reading ``obj.__dict__``.
+
+    An instance value is told from the class attribute's by identity: a descriptor
+    (function, wrapt wrapper) binds a fresh object on every access, an instance value
+    is the same object each time.
+    """
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        return default
+    cls = type(obj)
+    for klass in cls.__mro__:
+        attrs = vars(klass)
+        if name in attrs:
+            cls_attr = attrs[name]
+            break
+    else:
+        return value                    # no class attribute: the instance's own
+    get = getattr(type(cls_attr), "__get__", None)
+    if get is None:
+        return default if value is cls_attr else value
+    if value is not getattr(obj, name, _MISSING):
+        return default                  # bound afresh: the class attribute's
+    return default if value is get(cls_attr, obj, cls) else value
+
+
+def set_own_attr(obj, name, value) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def del_own_attr(obj, name) -> bool:
+    """``obj.__dict__.pop(name, None)``: whether ``obj`` had an instance value to delete."""
+    if own_attr(obj, name, _MISSING) is _MISSING:
+        return False
+    object.__delattr__(obj, name)
+    return True
+
+
 class RollbackFailed(Exception):
     """Internal: the undo could not be completed (the original error is re-raised)."""
 
@@ -155,33 +201,62 @@ class PoolJournal:
                                          "block")
         self._installed: list[str] = []
 
-    #: Shadows with the class method's exact parameters (a plain call, no ``*args``
-    #: repacking, on the hot path), used when the installed vLLM's signature matches.
-    EXACT = {"get_new_blocks": ("num_blocks",), "touch": ("blocks",)}
+    #: Shadows with the class method's exact parameters and defaults (a plain call, no
+    #: ``*args``/``**kwargs`` repacking, on the hot path), used when the installed vLLM's
+    #: signature matches one of them: name -> [(parameters, defaults, shadow suffix)].
+    EXACT = {
+        "get_new_blocks": [(("num_blocks",), None, "_exact")],
+        "touch": [(("blocks",), None, "_exact")],
+        "cache_full_blocks": [(("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                                "block_size", "kv_cache_group_id", "block_mask"), (None,),
+                               "_exact")],
+        "cache_partial_block": [
+            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size"), None,
+             "_exact5"),
+            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size",
+              "replace_existing_hashes"), (False,), "_exact6")],
+    }
+
+    def _exact_shadow(self, name):
+        func = getattr(self.cls, name)
+        params = _params(func)
+        defaults = getattr(func, "__defaults__", _MISSING)
+        for exact, exact_defaults, suffix in self.EXACT.get(name, ()):
+            if params == exact and defaults == exact_defaults and not getattr(
+                    func, "__kwdefaults__", None):
+                return getattr(self, "_" + name + suffix)
+        return None
 
     def install(self) -> None:
-        d = vars(self.pool)
+        pool = self.pool
         for name in self.NAMES:
-            if hasattr(self.cls, name) and name not in d:
-                shadow = getattr(self, "_" + name)
-                exact = self.EXACT.get(name)
-                if exact is not None and _params(getattr(self.cls, name)) == exact:
-                    shadow = getattr(self, "_" + name + "_exact")
-                d[name] = shadow
+            if hasattr(self.cls, name) and own_attr(pool, name, _MISSING) is _MISSING:
+                shadow = self._exact_shadow(name) or getattr(self, "_" + name)
+                set_own_attr(pool, name, shadow)
                 self._installed.append(name)
 
     def uninstall(self) -> None:
-        d = vars(self.pool)
+        pool = self.pool
         for name in self._installed:
-            if getattr(d.get(name), "__self__", None) is self:
-                del d[name]
+            if getattr(own_attr(pool, name), "__self__", None) is self:
+                object.__delattr__(pool, name)
         self._installed.clear()
 
     # -- shadows
     def _get_new_blocks_exact(self, num_blocks):
-        if _log is None:
+        if (log := _log) is None:
             return self.cls.get_new_blocks(self.pool, num_blocks)
-        return self._get_new_blocks(num_blocks)
+        before = self.queue.num_free_blocks             # _get_new_blocks, inline
+        if not log:
+            self.free_at_start = before
+        try:
+            blocks = self.cls.get_new_blocks(self.pool, num_blocks)
+        except BaseException:
+            if self.queue.num_free_blocks != before:
+                self.broken = "get_new_blocks failed after popping blocks"
+            raise
+        log.append((_POP, self, list(blocks)))
+        return blocks
 
     def _touch_exact(self, blocks):
         if _log is None:
@@ -244,6 +319,50 @@ class PoolJournal:
             return self.cls.cache_full_blocks(self.pool, *args, **kwargs)
         finally:
             log.append((_CACHE, self, cached))
+
+    def _cache_full_blocks_exact(self, request, blocks, num_cached_blocks, num_full_blocks,
+                                 block_size, kv_cache_group_id, block_mask=None):
+        if (log := _log) is None:
+            return self.cls.cache_full_blocks(self.pool, request, blocks, num_cached_blocks,
+                                              num_full_blocks, block_size, kv_cache_group_id,
+                                              block_mask)
+        if not log:                                     # _cache_full_blocks, inline
+            self.free_at_start = self.queue.num_free_blocks
+        cached = blocks[num_cached_blocks:num_full_blocks]
+        try:
+            return self.cls.cache_full_blocks(self.pool, request, blocks, num_cached_blocks,
+                                              num_full_blocks, block_size, kv_cache_group_id,
+                                              block_mask)
+        finally:
+            log.append((_CACHE, self, cached))
+
+    def _cache_partial_block_exact5(self, request, block, num_tokens, kv_cache_group_id,
+                                    block_size):
+        if (log := _log) is None:
+            return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                                kv_cache_group_id, block_size)
+        if not log:                                     # _cache_partial_block, inline
+            self.free_at_start = self.queue.num_free_blocks
+        try:
+            return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                                kv_cache_group_id, block_size)
+        finally:
+            log.append((_CACHE, self, [block]))
+
+    def _cache_partial_block_exact6(self, request, block, num_tokens, kv_cache_group_id,
+                                    block_size, replace_existing_hashes=False):
+        if (log := _log) is None:
+            return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                                kv_cache_group_id, block_size,
+                                                replace_existing_hashes)
+        if not log:                                     # _cache_partial_block, inline
+            self.free_at_start = self.queue.num_free_blocks
+        try:
+            return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                                kv_cache_group_id, block_size,
+                                                replace_existing_hashes)
+        finally:
+            log.append((_CACHE, self, [block]))
 
     def _cache_partial_block(self, *args, **kwargs):
         if (log := _log) is None:
@@ -399,10 +518,10 @@ _disabled: list[str] = []        # set on an internal error: rollback is off in 
 
 def plan_for(manager) -> Plan | None:
     """The cached plan for ``manager``, built on first use; None if not supported."""
-    plan = manager.__dict__.get(_ATTR)
+    plan = getattr(manager, _ATTR, None)
     if plan is None:
         plan = _build_plan(manager)
-        manager.__dict__[_ATTR] = plan
+        set_own_attr(manager, _ATTR, plan)
     return None if plan is _UNSUPPORTED else plan
 
 
@@ -437,11 +556,11 @@ def _build_plan(manager):
              "allocation errors there are not rolled back (vLLM's behaviour)", why)
         return _UNSUPPORTED
     pool = managers[0].block_pool
-    journal = pool.__dict__.get("_kvguard_journal")
+    journal = getattr(pool, "_kvguard_journal", None)
     if journal is None:
         journal = PoolJournal(pool)
         journal.install()
-        pool.__dict__["_kvguard_journal"] = journal
+        set_own_attr(pool, "_kvguard_journal", journal)
     plan = Plan(manager, tuple(managers), journal)
     _plans.add(plan)
     return plan
@@ -450,10 +569,10 @@ def _build_plan(manager):
 def uninstall_all() -> None:
     """Remove every shadow and cached plan this module installed (the patch's teardown)."""
     for plan in list(_plans):
-        plan.manager.__dict__.pop(_ATTR, None)
+        del_own_attr(plan.manager, _ATTR)
         journal = plan.journal
         journal.uninstall()
-        journal.pool.__dict__.pop("_kvguard_journal", None)
+        del_own_attr(journal.pool, "_kvguard_journal")
     _plans.clear()
     _disabled.clear()
 
@@ -487,7 +606,7 @@ def transact(manager, request, fn, args=(), kwargs=None):
     global _log
     if kwargs is None:
         kwargs = {}
-    plan = manager.__dict__.get(_ATTR)
+    plan = getattr(manager, _ATTR, None)
     if plan is None or plan is _UNSUPPORTED or _disabled or _log is not None:
         if plan is not None or _disabled or _log is not None:
             return fn(*args, **kwargs)        # unsupported, off, or nested: unprotected
