@@ -72,7 +72,8 @@ SCENARIOS = {sc.name: sc for sc in (
              engine={"block_size": 32, "max_model_len": 128,
                      "disable_log_stats": False}),     # vLLM counts the preemptions
     Scenario("hybrid-spec", "NemotronH-style hybrid (Mamba2 + attention) with ngram k=3 "
-             "(prefix caching off: vLLM's CPU limit)", model="nemotron_h",
+             "(prefix caching off: vLLM's CPU limit; on CPU both sides zero-pad the conv weight "
+             "that vLLM's kernel reads past: workload.pad_cpu_conv_weights)", model="nemotron_h",
              engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3}),
     Scenario("coverage", "decode shapes (16 seqs x (1+3) tokens) outgrow the captured graph "
              "sizes; on CPU nothing is captured, the audit counters show what would be",

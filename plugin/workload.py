@@ -88,6 +88,44 @@ def _pin(cpus) -> None:
             os.sched_setaffinity(tid, cpus)
 
 
+def pad_cpu_conv_weights() -> bool:
+    """Harness workaround for a vLLM CPU defect, applied alike to A and B (never by the plugin).
+
+    With speculative decoding the Mamba conv state is ``conv_kernel - 1 + k`` wide, but the
+    CPU ``causal_conv1d_update`` kernel (``csrc/cpu/mamba_kernels.hpp``, reached through
+    ``model_executor/layers/mamba/ops/cpu/causal_conv1d.py``) takes that width as its
+    number of taps: the last channel reads ``k`` values past the end of the conv weight,
+    i.e. whatever the heap holds there. About one process in seven then produces NaN
+    logits (greedy output ``[t, 0, 0, ...]``) or rounds that disagree, with or without the
+    plugin. Handing the kernel a copy of the weight followed by zeros makes the read
+    deterministic, so A and B compare like with like. (The math stays vLLM's: spec
+    decoding of hybrid models is not correct on CPU either way.) Returns whether it was
+    installed now.
+    """
+    try:
+        import torch
+        from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d as cc
+    except Exception:
+        return False
+    kernel = getattr(cc, "causal_conv1d_update_cpu_vec", None)
+    if kernel is None or getattr(kernel, "kvguard_padded", False):
+        return False
+    padded: dict = {}
+
+    def causal_conv1d_update_cpu_vec(x, conv_state, weight, *args, **kwargs):
+        key = (weight.data_ptr(), weight._version)
+        w = padded.get(key)
+        if w is None:
+            buf = torch.zeros(weight.numel() + 64, dtype=weight.dtype)
+            buf[: weight.numel()] = weight.reshape(-1)
+            w = padded[key] = buf[: weight.numel()].view(weight.shape)
+        return kernel(x, conv_state, w, *args, **kwargs)
+
+    causal_conv1d_update_cpu_vec.kvguard_padded = True
+    cc.causal_conv1d_update_cpu_vec = causal_conv1d_update_cpu_vec
+    return True
+
+
 def _scheduler(llm):
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     core = getattr(core, "engine_core", None)        # InprocClient -> EngineCore
@@ -166,6 +204,8 @@ class Session:
             engine = dict(self.spec["engine"])
             if current_platform.is_cuda_alike():
                 engine.update(self.spec["gpu_engine"])
+            elif engine.get("speculative_config") and pad_cpu_conv_weights():
+                self.out.setdefault("workarounds", []).append("cpu-conv1d-spec-padding")
             model = self.spec["model"]
             if model in MODELS:
                 self._model_dir = tempfile.mkdtemp(prefix=f"kvguard-{model}-")

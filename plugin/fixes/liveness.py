@@ -21,6 +21,7 @@ a change of head or free count) resets the count.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from vllm_kvguard import report
 from vllm_kvguard.hookspecs import hookimpl
@@ -36,8 +37,9 @@ class _Watch:
         self.steps = 0
 
 
-_ATTR = "_kvguard_liveness"     # the scheduler's _Watch (an instance attribute: no lookup
-                                # table, gone with the scheduler)
+# The scheduler's _Watch while it is stalled (nothing on the Scheduler itself: reading its
+# __dict__ would make CPython 3.11 materialise it and slow every attribute vLLM reads).
+_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -133,13 +135,13 @@ def kvguard_after_schedule(scheduler, output):
 
     try:
         head = _head(scheduler) if _stuck(scheduler, output) else None
-        watch = scheduler.__dict__.get(_ATTR)
         if head is None:                # progress (the every-step case): nothing to watch
-            if watch is not None and watch.steps:
-                watch.head, watch.free, watch.steps = None, None, 0
+            if _watches:
+                _watches.pop(scheduler, None)
             return
+        watch = _watches.get(scheduler)
         if watch is None:
-            watch = scheduler.__dict__[_ATTR] = _Watch()
+            watch = _watches[scheduler] = _Watch()
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         if head is not watch.head or free != watch.free:
             watch.head, watch.free, watch.steps = head, free, 1
