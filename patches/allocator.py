@@ -48,6 +48,7 @@ Hot path
 """
 from __future__ import annotations
 
+import gc
 import weakref
 
 from vllm_kvguard import registry as _registry
@@ -110,6 +111,18 @@ def _class_attr(cls, name):
     return None, None
 
 
+def _dict_get(proxy):
+    """``get`` of the dict behind a class's ``__dict__`` mappingproxy (one C call per
+    guard check; ``mappingproxy.get`` looks up and calls the dict's ``get`` each time).
+    Class attribute assignment and deletion change that dict in place. Falls back to the
+    proxy's own ``get`` when the dict cannot be identified."""
+    refs = gc.get_referents(proxy)
+    if len(refs) == 1 and type(refs[0]) is dict and len(refs[0]) == len(proxy) and all(
+            refs[0].get(k, _MISSING) is v for k, v in proxy.items()):
+        return refs[0].get
+    return proxy.get
+
+
 def _install_fast_path(manager, bound) -> None:
     owner_dict, attr = _class_attr(type(manager), _FAST_ATTR)
     if not (is_wrapped(attr) and getattr(attr, "_self_wrapper", None) is allocate_slots):
@@ -130,7 +143,7 @@ def _install_fast_path(manager, bound) -> None:
         fast = factory(manager, bound, guard=(
             "g_owner_get(g_name) is g_attr and len(g_impls) == 1 and g_impls[0] is g_impl "
             "and not g_tripped"), guard_cells=dict(
-            g_owner_get=owner_dict.get, g_name=_FAST_ATTR, g_attr=attr, g_impls=impls,
+            g_owner_get=_dict_get(owner_dict), g_name=_FAST_ATTR, g_attr=attr, g_impls=impls,
             g_impl=impl, g_tripped=_registry._tripped), fallback=fallback)
     if fast is None:
         fast = fallback

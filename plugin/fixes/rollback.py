@@ -63,6 +63,7 @@ import functools
 import inspect
 import logging
 import operator
+import types
 import weakref
 from itertools import repeat
 
@@ -259,9 +260,23 @@ class PoolJournal:
         return blocks
 
     def _touch_exact(self, blocks):
-        if _log is None:
+        if (log := _log) is None:
             return self.cls.touch(self.pool, blocks)
-        return self._touch(blocks)
+        if not log:                                     # _touch, inline
+            self.free_at_start = self.queue.num_free_blocks
+        flat = blocks
+        if blocks and isinstance(blocks[0], (list, tuple)):     # older per-group form
+            flat = [b for group in blocks for b in group]
+        flat = list(flat)
+        before = list(map(_ref_and_prev, flat))
+        try:
+            self.cls.touch(self.pool, blocks)
+        except BaseException:
+            keep = [i for i, b in enumerate(flat) if b.ref_cnt != before[i][0]]
+            flat, before = [flat[i] for i in keep], [before[i] for i in keep]
+            raise
+        finally:
+            log.append((_TOUCH, self, (flat, before)))
 
     def _get_new_blocks(self, *args, **kwargs):
         if (log := _log) is None:
@@ -644,38 +659,69 @@ def factory({cells}):
             return fn({forward})
         except Exception as error:
             _log = None
-            return _recover(plan, rec, log, rid, manager, request, error)
+            return _recover_flat(plan, rec, log, rid, manager, request, error)
         finally:
             _log = None
     return {name}
 """
 
 
-def make_fast_path(manager, fn, guard: str = "True", guard_cells=None, fallback=None):
-    """A function with ``fn``'s signature (``fn``: vLLM's ``allocate_slots`` bound to
-    ``manager``) that runs it as a transaction, like :func:`transact`; or None when
-    rollback is not available for ``manager`` or the signature is not plain.
+def _nest(plan: Plan, flat: tuple) -> tuple:
+    """The fast path's flat record in :func:`record`'s form: (block list, length) per
+    group, the ``plan.dicts`` values, (member, offload count, window) per align group,
+    the ``new_block_ids`` lengths."""
+    r2 = 2 * len(plan.rtbs)
+    d = r2 + len(plan.dicts)
+    a = d + 3 * len(plan.align)
+    return (flat[0:r2:2], flat[1:r2:2], flat[r2:d],
+            tuple(flat[k:k + 3] for k in range(d, a, 3)), flat[a:])
 
-    Generated per manager, straight-line: the parameters are forwarded as they were
-    bound (no ``*args``/``**kwargs`` repacking) and the record is ``in`` tests and
-    subscriptions (no method calls): ~0.5 us instead of ~1.5 us on the reference CPU. While ``guard`` (a Python expression over ``guard_cells``) is false, calls go
-    to ``fallback`` (default ``fn``) unchanged. This is the allocator patch's hot path:
-    ``allocate_slots`` runs once per scheduled request per step.
-    """
-    if _disabled:
+
+def _recover_flat(plan, flat, log, rid, manager, request, error):
+    return _recover(plan, _nest(plan, flat), log, rid, manager, request, error)
+
+
+def _plain_method(fn):
+    """``fn.__func__`` when ``fn`` is a bound plain function whose signature is its own
+    code's (cacheable by identity and defaults); else None."""
+    if type(fn) is not types.MethodType:
         return None
-    plan = plan_for(manager)
-    if plan is None:
+    func = fn.__func__
+    if type(func) is not types.FunctionType or hasattr(func, "__signature__") or hasattr(
+            func, "__wrapped__"):
         return None
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
+    return func
+
+
+@functools.lru_cache(maxsize=32)
+def _fast_source(func, defaults, kwdefaults, shape, guard, guard_names):
+    """(source, {default cell: value}) of the transaction function for a bound ``func``
+    and a plan of ``shape`` (see :func:`_build_fast`); None if the signature is not plain.
+    ``defaults``/``kwdefaults`` are part of the key only (a changed default: a new
+    entry)."""
+    return _build_fast(inspect.signature(func), shape, guard, guard_names, func.__name__,
+                       drop_self=True)
+
+
+def _plan_shape(plan: Plan) -> tuple:
+    return (len(plan.rtbs), len(plan.dicts),
+            tuple((i, nsb, bool(offl)) for i, _m, _a, nsb, offl in plan.align),
+            len(plan.record_ids))
+
+
+def _build_fast(sig, shape, guard, guard_names, name, drop_self=False):
     params = list(sig.parameters.values())
+    if drop_self:
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY,
+                                                params[0].POSITIONAL_OR_KEYWORD):
+            return None
+        params = params[1:]
     if not params or params[0].name != "request" or any(
             p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
         return None
-    cells = {"fn": fn, "fallback": fallback or fn, "plan": plan, "manager": manager}
+    n_rtbs, n_dicts, align_shape, n_ids = shape
+    defaults = {}
+    names = ["fn", "fallback", "plan", "manager"]
     decl, forward, forward_kw, star = [], [], [], False
     for p in params:
         if p.kind is p.KEYWORD_ONLY and not star:
@@ -684,45 +730,99 @@ def make_fast_path(manager, fn, guard: str = "True", guard_cells=None, fallback=
         if p.default is p.empty:
             decl.append(p.name)
         else:
-            cells[f"d_{p.name}"] = p.default
+            defaults[f"d_{p.name}"] = p.default
+            names.append(f"d_{p.name}")
             decl.append(f"{p.name}=d_{p.name}")
         forward.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
         forward_kw.append(f"{p.name}={p.name}")
-    # The record as opcodes (``in`` + subscription, no method calls): what record() builds.
-    code, lists, lens, vals = [], [], [], []
-    for i, rtb in enumerate(plan.rtbs):
-        cells[f"rtb{i}"] = rtb
-        code += [f"b{i} = rtb{i}[rid] if rid in rtb{i} else None",
+    # The record, flat (one tuple; _nest() gives record()'s form for an undo): each
+    # entry one ``dict.get`` through a pre-bound method (one lookup, no attribute load).
+    code, items = [], []
+    for i in range(n_rtbs):
+        names.append(f"rtb{i}_get")
+        code += [f"b{i} = rtb{i}_get(rid)",
                  f"n{i} = -1 if b{i} is None else len(b{i})"]
-        lists.append(f"b{i}")
-        lens.append(f"n{i}")
-    for k, d in enumerate(plan.dicts):
-        cells[f"d{k}"] = d
-        vals.append(f"(d{k}[rid] if rid in d{k} else None)")
-    align = []
-    for i, m, alloc, nsb, offl in plan.align:
-        cells[f"m{i}"], cells[f"alloc{i}"] = m, alloc
+        items += [f"b{i}", f"n{i}"]
+    for k in range(n_dicts):
+        names.append(f"d{k}_get")
+        items.append(f"d{k}_get(rid)")
+    for i, nsb, offl in align_shape:
+        names += [f"m{i}", f"alloc{i}"]
         window = f"tuple(b{i}[max(n{i} - {nsb}, 0):n{i}]) if n{i} > 0 else ()" if nsb else "()"
-        n_offl = f"len(m{i}._pending_boundary_state_offloads)" if offl else "0"
-        align.append(f"(rid in alloc{i}, {n_offl}, {window})")
-    ids = []
-    for k, m in enumerate(plan.record_ids):
-        cells[f"ids{k}"] = m
-        ids.append(f"len(ids{k}.new_block_ids)")
-
-    def tup(items):
-        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
-
-    code.append(f"rec = ({tup(lists)}, {tup(lens)}, {tup(vals)}, {tup(align)}, {tup(ids)})")
-    for name, value in (guard_cells or {}).items():
-        if name in cells:
-            raise ValueError(f"guard cell {name!r} clashes with a transaction cell")
-        cells[name] = value
+        items += [f"rid in alloc{i}",
+                  f"len(m{i}._pending_boundary_state_offloads)" if offl else "0", window]
+    for k in range(n_ids):
+        names.append(f"ids{k}")
+        items.append(f"len(ids{k}.new_block_ids)")
+    code.append(f"rec = ({', '.join(items)}{',' if len(items) == 1 else ''})")
+    for cell in guard_names:
+        if cell in names:
+            raise ValueError(f"guard cell {cell!r} clashes with a transaction cell")
+        names.append(cell)
     source = _FAST_TEMPLATE.format(
-        cells=", ".join(cells), name=getattr(fn, "__name__", "allocate_slots"),
+        cells=", ".join(names), name=name,
         params=", ".join(decl), guard=guard, forward=", ".join(forward),
         forward_kw=", ".join(forward_kw),
         record="\n".join(" " * 12 + line for line in code))
+    return source, defaults
+
+
+def make_fast_path(manager, fn, guard: str = "True", guard_cells=None, fallback=None):
+    """A function with ``fn``'s signature (``fn``: vLLM's ``allocate_slots`` bound to
+    ``manager``) that runs it as a transaction, like :func:`transact`; or None when
+    rollback is not available for ``manager`` or the signature is not plain.
+
+    Generated per manager, straight-line: the parameters are forwarded as they were
+    bound (no ``*args``/``**kwargs`` repacking) and the record is one flat tuple of
+    pre-bound ``dict.get`` calls and ``in`` tests (:func:`_nest` restores
+    :func:`record`'s form for an undo). The source and its compiled code are cached per
+    vLLM function and plan shape, so installing on another manager only binds cells.
+    While ``guard`` (a Python expression over ``guard_cells``) is false, calls go to
+    ``fallback`` (default ``fn``) unchanged. This is the allocator patch's hot path:
+    ``allocate_slots`` runs once per scheduled request per step.
+    """
+    if _disabled:
+        return None
+    plan = plan_for(manager)
+    if plan is None:
+        return None
+    guard_cells = dict(guard_cells or {})
+    shape = _plan_shape(plan)
+    guard_names = tuple(guard_cells)
+    built = None
+    func = _plain_method(fn)
+    if func is not None:
+        kwdefaults = func.__kwdefaults__
+        key = (func, func.__defaults__,
+               None if kwdefaults is None else tuple(sorted(kwdefaults.items())),
+               shape, guard, guard_names)
+        try:
+            hash(key)
+        except TypeError:
+            func = None
+        else:
+            built = _fast_source(*key)
+    if func is None:
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None
+        built = _build_fast(sig, shape, guard, guard_names,
+                            getattr(fn, "__name__", "allocate_slots"))
+    if built is None:
+        return None
+    source, defaults = built
+    cells = {"fn": fn, "fallback": fallback or fn, "plan": plan, "manager": manager}
+    cells.update(defaults)
+    for i, rtb in enumerate(plan.rtbs):
+        cells[f"rtb{i}_get"] = rtb.get
+    for k, d in enumerate(plan.dicts):
+        cells[f"d{k}_get"] = d.get
+    for i, m, alloc, _nsb, _offl in plan.align:
+        cells[f"m{i}"], cells[f"alloc{i}"] = m, alloc
+    for k, m in enumerate(plan.record_ids):
+        cells[f"ids{k}"] = m
+    cells.update(guard_cells)
     namespace: dict = {}
     exec(_compiled(source), globals(), namespace)
     return namespace["factory"](**cells)
