@@ -47,6 +47,9 @@ NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max":
 EMBEDDED = ("llama", "nemotron_h")
 
 
+MIN_AUTO_ROUNDS = 3     # a sample's fastest round needs a few rounds to choose from
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -59,6 +62,7 @@ class Scenario:
     env_b: dict = field(default_factory=dict)  # flags B adds to KVGUARD=1
     plugin_b: bool = True                      # False: an A/A run (the harness's own bias)
     default: bool = True                       # part of a bare ``kvguard-ab``
+    min_rounds: int = MIN_AUTO_ROUNDS          # --rounds auto never goes below this
 
 
 _POOL = {"num_gpu_blocks_override": 64, "block_size": 32}   # CPU attention: block % 32 == 0
@@ -74,13 +78,15 @@ SCENARIOS = {sc.name: sc for sc in (
     Scenario("hybrid-spec", "NemotronH-style hybrid (Mamba2 + attention) with ngram k=3 "
              "(prefix caching off: vLLM's CPU limit; on CPU both sides zero-pad the conv weight "
              "that vLLM's kernel reads past: workload.pad_cpu_conv_weights)", model="nemotron_h",
-             engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3}),
+             engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3},
+             workload={"max_tokens": 16}, min_rounds=6),     # slow rounds: more of them
     Scenario("coverage", "decode shapes (16 seqs x (1+3) tokens) outgrow the captured graph "
              "sizes; on CPU nothing is captured, the audit counters show what would be",
              engine={"block_size": 32, "max_num_seqs": 16, "speculative_config": NGRAM_K3},
              gpu_engine={"enforce_eager": False,
                          "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}},
-             workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"}),
+             workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"},
+             min_rounds=6),
     Scenario("self-check", "A/A: the plugin off on both sides; the ratio must be 1.0 within "
              "tolerance, or the harness (machine, pinning) is biased", engine=_POOL,
              plugin_b=False, default=False),
@@ -418,25 +424,26 @@ class Side:
             self.final.get("engine_died") or self.final.get("hung"))
 
 
-MIN_AUTO_ROUNDS = 3     # a sample's fastest round needs a few rounds to choose from
 
 
 def _best_s(times: list[float] | None) -> str:
     return f"fastest round {min(times):.3f} s" if times else "no sample"
 
 
-def calibrate(settings: dict, sides: list[Side]) -> int:
+def calibrate(settings: dict, sides: list[Side], floor: int = MIN_AUTO_ROUNDS) -> int:
+    """``--rounds``, or for ``auto`` enough rounds to fill ``--sample-seconds`` (at least
+    ``floor``: a scenario whose rounds are slow and noisy asks for more to choose from)."""
     if settings["rounds"] != "auto":
         return settings["rounds"]
     last = [s.warmup_s[-1] for s in sides if s.warmup_s]
+    floor = max(floor, MIN_AUTO_ROUNDS)
     if not last:
-        return MIN_AUTO_ROUNDS
-    return max(MIN_AUTO_ROUNDS,
-               min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
+        return floor
+    return max(floor, min(200, math.ceil(settings["sample_seconds"] / max(min(last), 1e-3))))
 
 
 def run_pair(name: str, index: int, spec: dict, sides: list[Side], settings: dict,
-             rounds: int | None, prog: Progress) -> int | None:
+             rounds: int | None, prog: Progress, min_rounds: int = MIN_AUTO_ROUNDS) -> int | None:
     """One fresh A/B pair of processes: start (imports together, engines one by one), warm
     up, one sample of ``rounds`` rounds each in ABBA order, stop. ``rounds`` None: calibrate
     from the warm-up. Returns the rounds used."""
@@ -464,7 +471,7 @@ def run_pair(name: str, index: int, spec: dict, sides: list[Side], settings: dic
                     f"{sum(side.warmup_s):.2f} s" if side.warmup_s
                     else f"FAILED ({side.error})"), advance=1)
         if rounds is None:
-            rounds = calibrate(settings, sides)
+            rounds = calibrate(settings, sides, min_rounds)
         order = sides if index % 2 == 0 else sides[::-1]
         for j in range(rounds):                        # ABBA at round granularity
             for side in (order if j % 2 == 0 else order[::-1]):
@@ -564,7 +571,7 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
                  if not (runs[k] and runs[k][-1].failed)]   # a dead side is not restarted
         if not sides:
             break
-        rounds = run_pair(sc.name, i, spec, sides, settings, rounds, prog)
+        rounds = run_pair(sc.name, i, spec, sides, settings, rounds, prog, sc.min_rounds)
         for side in sides:
             runs[side.key].append(side)
             if side.ready.get("ok") and not environment.get("vllm"):

@@ -141,6 +141,17 @@ def test_calibrate_rounds_to_the_sample_duration():
     assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == ab.MIN_AUTO_ROUNDS
 
 
+def test_slow_scenarios_ask_for_more_rounds():
+    a = ab.Side("A", "off", {})
+    a.warmup_s = [2.0]
+    auto = {"rounds": "auto", "sample_seconds": 1.0}
+    assert ab.calibrate(auto, [a], floor=6) == 6
+    assert ab.calibrate(auto, [a], floor=1) == ab.MIN_AUTO_ROUNDS     # never below the minimum
+    assert ab.calibrate({"rounds": 2, "sample_seconds": 1.0}, [a], floor=6) == 2  # explicit wins
+    assert ab.SCENARIOS["hybrid-spec"].min_rounds > ab.MIN_AUTO_ROUNDS
+    assert ab.SCENARIOS["coverage"].min_rounds > ab.MIN_AUTO_ROUNDS
+
+
 @pytest.fixture
 def fake_run(mocker, tmp_path, monkeypatch):
     """main() with scenarios replaced by canned results (no engine)."""
