@@ -19,7 +19,9 @@ How it measures (see also :mod:`vllm_kvguard.abstats`):
   by request (against a fault-free, plugin-off reference run when A died); a side that
   died or failed to start is not started again for the later pairs;
 * exit 1 if any check fails (B not completing every request, leaking blocks, differing
-  greedy outputs, or a throughput ratio below ``--tolerance``), 2 on a bad argument
+  greedy outputs, or a throughput ratio below ``--tolerance``; a median below it while
+  the pairs spread more than twice the band and one pair is within it is reported as
+  *inconclusive* instead: the noise may be what shows), 2 on a bad argument
   (before any engine starts), 130 on Ctrl-C or SIGTERM (after printing what was done).
 """
 from __future__ import annotations

@@ -132,9 +132,13 @@ def format_table(report: dict) -> str:
         lines.append("INTERRUPTED: the table shows the scenarios finished before Ctrl-C")
     failed = [f"{sc['name']}: {c['name']}" for sc in report["scenarios"]
               for c in sc["checks"] if c["status"] == FAIL]
+    unsure = [f"{sc['name']}: {c['name']}" for sc in report["scenarios"]
+              for c in sc["checks"] if c["status"] == abstats.INCONCLUSIVE]
     lines.append("verdict: " + ("PASS" if not failed and not report.get("interrupted")
                                 else "FAIL (" + "; ".join(failed) + ")" if failed
-                                else "INCOMPLETE"))
+                                else "INCOMPLETE")
+                 + (f"; inconclusive, re-run with a larger --repeat: {'; '.join(unsure)}"
+                    if unsure else ""))
     return "\n".join(lines)
 
 

@@ -127,6 +127,18 @@ def test_throughput_note_on_noise_and_on_too_few_pairs():
     assert not next(c for c in quiet if c["name"] == "throughput ratio")["warn"]
 
 
+def test_noisy_regression_is_inconclusive_only_while_a_pair_is_within_tolerance():
+    a = side(tok_s=(100.0,) * 3)
+    unsure = _checks(a, side("on", tok_s=(80.0, 90.0, 105.0)))     # median 0.90, max 1.05
+    assert _status(unsure, "throughput ratio") == abstats.INCONCLUSIVE
+    assert abstats.verdict(unsure)
+    every_pair_slow = _checks(a, side("on", tok_s=(70.0, 90.0, 96.0)))   # noisy, max 0.96
+    assert _status(every_pair_slow, "throughput ratio") == FAIL
+    assert not abstats.verdict(every_pair_slow)
+    steady = _checks(a, side("on", tok_s=(95.0, 95.5, 96.0)))        # quiet and below
+    assert _status(steady, "throughput ratio") == FAIL
+
+
 def test_b_less_deterministic_than_a_fails():
     checks = _checks(side(), side("on", consistent=False))
     assert _status(checks, "B as deterministic as A across rounds") == FAIL
