@@ -138,6 +138,7 @@ class RollbackFailed(Exception):
 # only from the scheduler's thread, and allocate_slots does not nest.
 _log: list | None = None
 _POP, _TOUCH, _CACHE, _MOVE = range(4)
+_NO_KWARGS: dict = {}                  # never written: ``**`` unpacks it, nobody stores it
 
 
 # ------------------------------------------------------------------------- pool journal
@@ -247,40 +248,14 @@ class PoolJournal:
     def _get_new_blocks_exact(self, num_blocks):
         if (log := _log) is None:
             return self.cls.get_new_blocks(self.pool, num_blocks)
-        before = self.queue.num_free_blocks             # _get_new_blocks, inline
-        if not log:
-            self.free_at_start = before
-        try:
-            blocks = self.cls.get_new_blocks(self.pool, num_blocks)
-        except BaseException:
-            if self.queue.num_free_blocks != before:
-                self.broken = "get_new_blocks failed after popping blocks"
-            raise
-        log.append((_POP, self, list(blocks)))
-        return blocks
-
-    def _touch_exact(self, blocks):
-        if (log := _log) is None:
-            return self.cls.touch(self.pool, blocks)
-        if not log:                                     # _touch, inline
-            self.free_at_start = self.queue.num_free_blocks
-        flat = blocks
-        if blocks and isinstance(blocks[0], (list, tuple)):     # older per-group form
-            flat = [b for group in blocks for b in group]
-        flat = list(flat)
-        before = list(map(_ref_and_prev, flat))
-        try:
-            self.cls.touch(self.pool, blocks)
-        except BaseException:
-            keep = [i for i, b in enumerate(flat) if b.ref_cnt != before[i][0]]
-            flat, before = [flat[i] for i in keep], [before[i] for i in keep]
-            raise
-        finally:
-            log.append((_TOUCH, self, (flat, before)))
+        return self._logged_pop(log, (num_blocks,), _NO_KWARGS)
 
     def _get_new_blocks(self, *args, **kwargs):
         if (log := _log) is None:
             return self.cls.get_new_blocks(self.pool, *args, **kwargs)
+        return self._logged_pop(log, args, kwargs)
+
+    def _logged_pop(self, log, args, kwargs):
         before = self.queue.num_free_blocks
         if not log:
             self.free_at_start = before
@@ -293,9 +268,17 @@ class PoolJournal:
         log.append((_POP, self, list(blocks)))
         return blocks
 
+    def _touch_exact(self, blocks):
+        if (log := _log) is None:
+            return self.cls.touch(self.pool, blocks)
+        return self._logged_touch(log, blocks, (), _NO_KWARGS)
+
     def _touch(self, blocks, *args, **kwargs):
         if (log := _log) is None:
             return self.cls.touch(self.pool, blocks, *args, **kwargs)
+        return self._logged_touch(log, blocks, args, kwargs)
+
+    def _logged_touch(self, log, blocks, args, kwargs):
         if not log:
             self.free_at_start = self.queue.num_free_blocks
         flat = blocks
