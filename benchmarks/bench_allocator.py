@@ -8,8 +8,12 @@ block ids handed to the SchedulerOutput, the per-step drains, events, frees), co
 batching over shared prompt families so prefix hits happen. Each off/on pair gives a
 ratio (on ops/s / off ops/s, ops = allocate_slots + free calls, CPU time of this
 process); the median pair ratio is printed with ops/s. Target >= 0.95, stretch 0.98.
+"On" is the allocator patch as installed: its transaction runs in the C accelerator when
+that was built (``vllm_kvguard._txn``), else in Python; ``--pure-python`` measures the
+Python form (``KVGUARD_PURE_PYTHON=1``).
 
-    python benchmarks/bench_allocator.py [--rounds 15] [--requests 48] [--steps 96]
+    python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
+                                         [--pure-python]
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kv_fixtures import hybrid_manager, make_request  # noqa: E402
 
 from vllm_kvguard import activation  # noqa: E402
+from vllm_kvguard.fixes import rollback  # noqa: E402
 
 BS = 16
 FAMILIES = [[(f * 7919 + i * 31) % 997 + 3 for i in range(512)] for f in range(4)]
@@ -99,10 +104,12 @@ def replay(manager, sequence, lookahead: int) -> int:
     return ops
 
 
-def timed(sequence, lookahead: int, patched: bool, num_blocks: int) -> float:
+def timed(sequence, lookahead: int, patched: bool, num_blocks: int,
+          pure_python: bool = False) -> float:
     """ops/s of one replay on a fresh manager."""
     if patched:
-        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
+                             "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
     try:
         manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
         gc.collect()
@@ -115,23 +122,29 @@ def timed(sequence, lookahead: int, patched: bool, num_blocks: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--pure-python", action="store_true",
+                    help="run the transaction in Python even if the C accelerator is built")
     args = ap.parse_args(argv)
+    form = ("pure Python" if args.pure_python or rollback._txn is None
+            else "C accelerator (vllm_kvguard._txn)")
     sequence = make_sequence(args.requests, args.steps, args.batch)
     num_blocks = 4096
     print(f"KVCacheManager: full attention + Mamba align, prefix caching on, block {BS}; "
-          f"{args.requests} requests, batch {args.batch}, {args.rounds} off/on pairs")
+          f"{args.requests} requests, batch {args.batch}, {args.rounds} off/on pairs; "
+          f"transaction: {form}")
     worst = None
     for lookahead in (2, 4):
         timed(sequence, lookahead, False, num_blocks)           # warm both paths
-        timed(sequence, lookahead, True, num_blocks)
+        timed(sequence, lookahead, True, num_blocks, args.pure_python)
         off, on, ratios = [], [], []
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
-            res = {p: timed(sequence, lookahead, p, num_blocks) for p in order}
+            res = {p: timed(sequence, lookahead, p, num_blocks, args.pure_python)
+                   for p in order}
             off.append(res[False])
             on.append(res[True])
             ratios.append(res[True] / res[False])

@@ -31,16 +31,23 @@ Hot path
       instance attribute ``allocate_slots`` (no descriptor binding per call); the
       patch's teardown removes all of them;
     * when the only ``kvguard_allocate_slots`` implementation carries a
-      ``kvguard_direct`` factory (the rollback fix does), that attribute is the function
-      the factory generates for this manager: vLLM's signature, the transaction inline,
-      no ``HostCall``, no pluggy. It checks on every call (a guard expression it is
-      given) that the class attribute is still this patch's wrapper, that the hook's
-      implementations are unchanged and that no patch tripped; otherwise, and when no
-      factory applies, it is the same fail-open ``hooked`` wrapper as the class-level
-      target (removing itself if the class attribute was re-wrapped or reverted), and
-      :class:`FirstResult` calls the implementations without pluggy's per-call overhead
-      while none is a pluggy wrapper (same order and arguments as pluggy's firstresult
-      call), stopping at the first one that ran vLLM's call;
+      ``kvguard_direct`` factory (the rollback fix does), that attribute is the
+      transaction the factory builds for this manager: the C accelerator's
+      ``Transaction`` (plugin/_txn.c, when built; ``KVGUARD_PURE_PYTHON=1`` turns it
+      off) or else a generated Python function with vLLM's signature; either way no
+      ``HostCall``, no pluggy. Per call it only tests that no patch tripped (and the
+      fix's own disabled/nesting state); whether it is still the right function is
+      settled when something changes instead: registering or unregistering a hookimpl
+      through :mod:`vllm_kvguard.manager` removes every fast path at once, and each
+      scheduler step (the ``schedule`` wrapper) first removes a fast path whose class
+      attribute is no longer this patch's wrapper (re-wrapped or reverted by someone
+      else) or whose hook gained implementations (registered on pluggy directly). A
+      removed fast path is rebuilt by the next call through the class-level wrapper,
+      when it still applies. Otherwise, and when no factory applies, the attribute is
+      the same fail-open ``hooked`` wrapper as the class-level target, and
+      :class:`FirstResult` calls the implementations without pluggy's per-call
+      overhead while none is a pluggy wrapper (same order and arguments as pluggy's
+      firstresult call), stopping at the first one that ran vLLM's call;
     * neither the manager's nor its pool's ``__dict__`` is ever read (instance attributes
       go through ``rollback.own_attr``/``set_own_attr``): on CPython 3.11 a materialised
       instance dict de-specialises every vLLM method call and attribute load on that
@@ -48,7 +55,6 @@ Hot path
 """
 from __future__ import annotations
 
-import gc
 import weakref
 
 from vllm_kvguard import registry as _registry
@@ -101,7 +107,9 @@ def _allocate_core(call: HostCall):
 
 
 _fast_wrapper = hooked(NAME)(_allocate_core)      # what each instance attribute runs
-_fast_managers: "weakref.WeakSet" = weakref.WeakSet()
+#: One entry per manager with a fast path: (weak ref to it, the class dict that held the
+#: wrapper, the wrapper, pluggy's live implementation list, the list it had then).
+_fast_paths: list = []
 
 
 def _class_attr(cls, name):
@@ -109,18 +117,6 @@ def _class_attr(cls, name):
         if name in vars(klass):
             return vars(klass), vars(klass)[name]
     return None, None
-
-
-def _dict_get(proxy):
-    """``get`` of the dict behind a class's ``__dict__`` mappingproxy (one C call per
-    guard check; ``mappingproxy.get`` looks up and calls the dict's ``get`` each time).
-    Class attribute assignment and deletion change that dict in place. Falls back to the
-    proxy's own ``get`` when the dict cannot be identified."""
-    refs = gc.get_referents(proxy)
-    if len(refs) == 1 and type(refs[0]) is dict and len(refs[0]) == len(proxy) and all(
-            refs[0].get(k, _MISSING) is v for k, v in proxy.items()):
-        return refs[0].get
-    return proxy.get
 
 
 def _install_fast_path(manager, bound) -> None:
@@ -136,28 +132,47 @@ def _install_fast_path(manager, bound) -> None:
             return getattr(manager, _FAST_ATTR)(*args, **kwargs)
         return _fast_wrapper(bound, manager, args, kwargs)    # other hookimpls, or tripped
 
-    fast = None
-    sole = _allocate_hook.sole()
-    if sole is not None:
-        impls, impl, factory = sole
-        fast = factory(manager, bound, guard=(
-            "g_owner_get(g_name) is g_attr and len(g_impls) == 1 and g_impls[0] is g_impl "
-            "and not g_tripped"), guard_cells=dict(
-            g_owner_get=_dict_get(owner_dict), g_name=_FAST_ATTR, g_attr=attr, g_impls=impls,
-            g_impl=impl, g_tripped=_registry._tripped), fallback=fallback)
+    fast, impls, sole = None, None, None
+    found = _allocate_hook.sole()
+    if found is not None:
+        impls, impl, factory = found
+        sole = [impl]
+        fast = factory(manager, bound, tripped=_registry._tripped, fallback=fallback)
     if fast is None:
         fast = fallback
     fast.__kvguard_fast_path__ = True
     set_own_attr(manager, _FAST_ATTR, fast)     # never via manager.__dict__ (rollback.own_attr)
-    _fast_managers.add(manager)
+    _fast_paths.append((weakref.ref(manager), owner_dict, attr, impls, sole))
+
+
+def _remove(manager) -> None:
+    if getattr(own_attr(manager, _FAST_ATTR), "__kvguard_fast_path__", False):
+        object.__delattr__(manager, _FAST_ATTR)
 
 
 def _remove_fast_paths() -> None:
-    for manager in list(_fast_managers):
-        fast = own_attr(manager, _FAST_ATTR)
-        if getattr(fast, "__kvguard_fast_path__", False):
-            object.__delattr__(manager, _FAST_ATTR)
-    _fast_managers.clear()
+    for ref, *_ in _fast_paths:
+        manager = ref()
+        if manager is not None:
+            _remove(manager)
+    _fast_paths.clear()
+
+
+def _revalidate() -> None:
+    """Remove the fast paths that no longer apply (once per scheduler step): the class
+    attribute is not this patch's wrapper any more, or the hook's implementations changed
+    behind :mod:`vllm_kvguard.manager`'s back. The next call rebuilds what still applies."""
+    keep = []
+    for entry in _fast_paths:
+        ref, owner_dict, attr, impls, sole = entry
+        manager = ref()
+        if manager is None:
+            continue
+        if owner_dict.get(_FAST_ATTR) is not attr or (sole is not None and impls != sole):
+            _remove(manager)
+        else:
+            keep.append(entry)
+    _fast_paths[:] = keep
 
 
 @hooked(NAME)
@@ -171,20 +186,26 @@ _after_schedule = DirectHook("kvguard_after_schedule")
 
 @hooked(NAME)
 def schedule(call: HostCall):
+    if _fast_paths:
+        _revalidate()
     output = call()
     _after_schedule(scheduler=call.instance, output=output)
     return output
 
 
 def _setup():
-    from vllm_kvguard import fixes
+    from vllm_kvguard import fixes, manager
 
     fixes.register_allocator_fixes()
+    manager.on_registration_change(_remove_fast_paths)
 
 
 def _teardown():
     from vllm_kvguard.fixes import rollback
 
+    from vllm_kvguard import manager
+
+    manager.on_registration_change(_remove_fast_paths, remove=True)
     _remove_fast_paths()
     rollback.uninstall_all()
 

@@ -8,6 +8,7 @@ from vllm_kvguard import hookspecs
 ENTRY_POINT_GROUP = "vllm_kvguard.hooks"
 
 _pm: pluggy.PluginManager | None = None
+_listeners: list = []             # called after register()/unregister() change the manager
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -33,12 +34,30 @@ def register(plugin, name: str | None = None) -> None:
         name = getattr(plugin, "__name__", None) or repr(plugin)
     if pm.get_plugin(name) is None and not pm.is_registered(plugin):
         pm.register(plugin, name=name)
+        _changed()
 
 
 def unregister(name: str) -> None:
     pm = get_plugin_manager()
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
+        _changed()
+
+
+def on_registration_change(listener, remove: bool = False) -> None:
+    """Call ``listener()`` after :func:`register` or :func:`unregister` changed the
+    implementations (idempotent; ``remove=True`` takes it off). Used by hot paths that
+    cache the implementation list."""
+    if listener in _listeners:
+        if remove:
+            _listeners.remove(listener)
+    elif not remove:
+        _listeners.append(listener)
+
+
+def _changed() -> None:
+    for listener in list(_listeners):
+        listener()
 
 
 class DirectHook:

@@ -91,6 +91,10 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
         info = (venv_future.result() if venv_future is not None
                 else pinned.ensure(pin, REPO, rebuild=args.rebuild))
         waited = round(time.monotonic() - t0, 1)
+        if venv_future is not None:          # never while another pin's tests run
+            took = pinned.install_repo(pin, REPO)
+            if took is not None:
+                info["steps"]["install_repo"] = took
     except (pinned.InstallError, OSError) as exc:
         print(f"matrix: venv for {pin.name} failed: {exc}", file=sys.stderr, flush=True)
         rec.update(ok=False, venv={"ok": False, "error": str(exc)})
@@ -221,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     builder = futures = None
     if args.build_ahead:       # one builder thread: the next pin's venv builds during tests
         builder = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        futures = [builder.submit(pinned.ensure, pin, REPO, args.rebuild) for pin in pins]
+        futures = [builder.submit(pinned.ensure, pin, REPO, args.rebuild, with_repo=False)
+                   for pin in pins]
     for i, pin in enumerate(pins):
         recs.append(run_pin(pin, out, args, futures[i] if futures else None))
         (out / "matrix.json").write_text(json.dumps(

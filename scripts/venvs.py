@@ -253,7 +253,12 @@ def _locked(pin: Pin):
 
 
 def _pyproject_digest(repo: Path) -> str:
-    return hashlib.sha256((repo / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    """What an editable install depends on: pyproject.toml and the C accelerator's source
+    (built into the checkout by the install)."""
+    h = hashlib.sha256((repo / "pyproject.toml").read_bytes())
+    for source in sorted((repo / "plugin").glob("*.c")):
+        h.update(source.name.encode() + source.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _install_repo(pin: Pin, path: Path, repo: Path, run: _Runner) -> bool:
@@ -268,11 +273,15 @@ def _install_repo(pin: Pin, path: Path, repo: Path, run: _Runner) -> bool:
     return True
 
 
-def ensure(pin: Pin, repo: Path = REPO, rebuild: bool = False, verbose: bool = False) -> dict:
+def ensure(pin: Pin, repo: Path = REPO, rebuild: bool = False, verbose: bool = False,
+           with_repo: bool = True) -> dict:
     """Build ``pin``'s venv unless a complete one is cached; return what happened.
 
     Returns ``{"path", "python", "built", "seconds", "steps", "log"}``; raises
-    :class:`InstallError` naming the failed step and the log file.
+    :class:`InstallError` naming the failed step and the log file. ``with_repo=False``
+    leaves out the editable install of ``repo`` (:func:`install_repo`): it builds the C
+    accelerator into the checkout, which must not happen while another pin's tests have
+    that file loaded (``scripts/matrix.py --build-ahead`` builds venvs during tests).
     """
     path = venv_dir(pin)
     log = venv_root() / f"{pin.name}.log"
@@ -290,10 +299,20 @@ def ensure(pin: Pin, repo: Path = REPO, rebuild: bool = False, verbose: bool = F
             (path / MARKER).write_text(json.dumps({"recipe": recipe(pin), "steps": steps,
                                                    "built_at": time.time()}, indent=1))
         t1 = time.monotonic()
-        if _install_repo(pin, path, repo.resolve(), run):
+        if with_repo and _install_repo(pin, path, repo.resolve(), run):
             steps["install_repo"] = round(time.monotonic() - t1, 1)
     return {"path": str(path), "python": str(path / "bin" / "python"), "built": built,
             "seconds": round(time.monotonic() - t0, 1), "steps": steps, "log": str(log)}
+
+
+def install_repo(pin: Pin, repo: Path = REPO, verbose: bool = False) -> float | None:
+    """Point ``pin``'s (built) venv at ``repo``, editable; seconds taken, None if it was."""
+    t0 = time.monotonic()
+    with _locked(pin):
+        run = _Runner(venv_root() / f"{pin.name}.log", verbose)
+        if not _install_repo(pin, venv_dir(pin), repo.resolve(), run):
+            return None
+    return round(time.monotonic() - t0, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

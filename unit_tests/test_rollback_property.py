@@ -30,7 +30,7 @@ from kv_fixtures import (groups, hybrid_manager, make_request, settle,  # noqa: 
                          state, state_diff)
 
 from vllm_kvguard import activation, log, registry, report  # noqa: E402
-from vllm_kvguard.fixes import faults  # noqa: E402
+from vllm_kvguard.fixes import faults, rollback  # noqa: E402
 from vllm_kvguard.fixes.audit import audit_manager  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.registry import InjectedFault  # noqa: E402
@@ -209,12 +209,13 @@ class Harness:
         assert self.m.block_pool.get_num_free_blocks() == self.start_free
 
 
-def run_scenario(sc, fixed: bool) -> int:
+def run_scenario(sc, fixed: bool, pure_python: bool = False) -> int:
     activation.deactivate()
     log.reset_once()
     registry.reset_tripped()
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator" if fixed else "none",
-                         "KVGUARD_FAULTS": "every=1,after=1000000000000"})
+                         "KVGUARD_FAULTS": "every=1,after=1000000000000",
+                         "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
     faults.reset(NEVER)
     h = Harness(sc, fixed)
     for op in sc["ops"]:
@@ -228,10 +229,14 @@ PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.parametrize("path", ["accelerated", "pure-python"])
 @PROPERTY
-@given(scenarios())
-def test_allocation_is_transactional_under_random_faults(sc):
-    rolled_back = run_scenario(sc, fixed=True)
+@given(sc=scenarios())
+def test_allocation_is_transactional_under_random_faults(path, sc):
+    """Both forms of the transaction: the C accelerator (when built) and pure Python."""
+    if path == "accelerated" and rollback._txn is None:
+        pytest.skip("the C accelerator vllm_kvguard._txn is not built")
+    rolled_back = run_scenario(sc, fixed=True, pure_python=path == "pure-python")
     event(f"rollbacks: {min(rolled_back, 3)}{'+' if rolled_back > 3 else ''}")
     event(f"prefix caching {'on' if sc['caching'] else 'off'}, lookahead {sc['lookahead']}")
 

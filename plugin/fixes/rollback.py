@@ -56,6 +56,15 @@ this module does not know. ``allocate_slots``' own argument check (raised in its
 before anything changed) and ``BaseException`` s are re-raised untouched. If the undo
 cannot be completed the original error is re-raised (never ``None`` over inconsistent
 state).
+
+Three forms of the same transaction
+    :func:`transact` (the hook path, any caller), the per-manager Python function
+    :func:`make_fast_path` generates, and the C accelerator's ``Transaction``
+    (plugin/_txn.c, built at install when a compiler is there; ``KVGUARD_PURE_PYTHON=1``
+    keeps the Python form). The C form does only the per-call part (gate, record, open
+    the pool log, call vLLM, hand a failure to :func:`_recover_flat`); the undo and all
+    its checks are this module's Python in every form. The unit suite runs the rollback
+    tests and the property test on both fast-path forms.
 """
 from __future__ import annotations
 
@@ -70,6 +79,11 @@ from itertools import repeat
 from vllm_kvguard import report
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
+
+try:                                  # the optional C accelerator of the hot path
+    from vllm_kvguard import _txn
+except ImportError:                   # not built (no compiler at install): pure Python
+    _txn = None
 
 _MISSING = object()
 
@@ -471,8 +485,13 @@ class Plan:
     :meth:`intact` checks that before an undo relies on it.
     """
 
-    __slots__ = ("manager", "managers", "gids", "journal", "queue", "rtbs", "dicts", "align",
-                 "record_ids", "containers", "__weakref__")
+    __slots__ = ("manager", "managers", "gids", "journal", "queue", "rtbs", "dicts", "sparse",
+                 "align", "record_ids", "containers", "__weakref__")
+
+    #: Per-request dicts that hold an entry only for a request in a rare state (a partial
+    #: prefix hit, a partial tail being produced): usually empty, so the record tests the
+    #: dict before looking the request up.
+    SPARSE = frozenset({"_partial_hit_reqs", "_producer_partial_tail_reqs"})
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -480,7 +499,7 @@ class Plan:
         self.gids = {id(m): getattr(m, "kv_cache_group_id", i) for i, m in enumerate(managers)}
         self.journal = journal
         self.queue = journal.queue
-        containers, dicts, align = [], [], []
+        containers, dicts, sparse, align = [], [], [], []
         for i, m in enumerate(managers):
             names = ["num_cached_block", "_partial_hit_reqs"]
             if getattr(m, "mamba_cache_mode", None) == "align":
@@ -495,9 +514,11 @@ class Plan:
                 d = getattr(m, name, None)
                 if isinstance(d, dict):
                     dicts.append(d)
+                    sparse.append(name in self.SPARSE)
                     containers.append((m, name, d))
         self.rtbs = tuple(m.req_to_blocks for m in managers)
         self.dicts = tuple(dicts)
+        self.sparse = tuple(sparse)
         self.align = tuple(align)
         self.containers = tuple(containers)
         #: managers whose ``new_block_ids`` (replaced when drained) get appended to
@@ -629,7 +650,7 @@ _FAST_TEMPLATE = """
 def factory({cells}):
     def {name}({params}):
         global _log
-        if not ({guard}) or _disabled or _log is not None:
+        if tripped or _disabled or _log is not None:
             return fallback({forward_kw})
         try:
             rid = request.request_id
@@ -677,22 +698,22 @@ def _plain_method(fn):
 
 
 @functools.lru_cache(maxsize=32)
-def _fast_source(func, defaults, kwdefaults, shape, guard, guard_names):
+def _fast_source(func, defaults, kwdefaults, shape):
     """(source, {default cell: value}) of the transaction function for a bound ``func``
     and a plan of ``shape`` (see :func:`_build_fast`); None if the signature is not plain.
     ``defaults``/``kwdefaults`` are part of the key only (a changed default: a new
     entry)."""
-    return _build_fast(inspect.signature(func), shape, guard, guard_names, func.__name__,
+    return _build_fast(inspect.signature(func), shape, func.__name__,
                        drop_self=True)
 
 
 def _plan_shape(plan: Plan) -> tuple:
-    return (len(plan.rtbs), len(plan.dicts),
+    return (len(plan.rtbs), plan.sparse,
             tuple((i, nsb, bool(offl)) for i, _m, _a, nsb, offl in plan.align),
             len(plan.record_ids))
 
 
-def _build_fast(sig, shape, guard, guard_names, name, drop_self=False):
+def _build_fast(sig, shape, name, drop_self=False):
     params = list(sig.parameters.values())
     if drop_self:
         if not params or params[0].kind not in (params[0].POSITIONAL_ONLY,
@@ -702,9 +723,9 @@ def _build_fast(sig, shape, guard, guard_names, name, drop_self=False):
     if not params or params[0].name != "request" or any(
             p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
         return None
-    n_rtbs, n_dicts, align_shape, n_ids = shape
+    n_rtbs, dict_sparse, align_shape, n_ids = shape
     defaults = {}
-    names = ["fn", "fallback", "plan", "manager"]
+    names = ["fn", "fallback", "plan", "manager", "tripped"]
     decl, forward, forward_kw, star = [], [], [], False
     for p in params:
         if p.kind is p.KEYWORD_ONLY and not star:
@@ -719,16 +740,19 @@ def _build_fast(sig, shape, guard, guard_names, name, drop_self=False):
         forward.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
         forward_kw.append(f"{p.name}={p.name}")
     # The record, flat (one tuple; _nest() gives record()'s form for an undo): each
-    # entry one ``dict.get`` through a pre-bound method (one lookup, no attribute load).
+    # entry one ``dict.get`` through a pre-bound method (one lookup, no attribute load);
+    # a usually-empty dict is tested first (no call while it is empty).
     code, items = [], []
     for i in range(n_rtbs):
         names.append(f"rtb{i}_get")
-        code += [f"b{i} = rtb{i}_get(rid)",
-                 f"n{i} = -1 if b{i} is None else len(b{i})"]
-        items += [f"b{i}", f"n{i}"]
-    for k in range(n_dicts):
+        items += [f"(b{i} := rtb{i}_get(rid))", f"(n{i} := -1 if b{i} is None else len(b{i}))"]
+    for k, sparse in enumerate(dict_sparse):
         names.append(f"d{k}_get")
-        items.append(f"d{k}_get(rid)")
+        if sparse:
+            names.append(f"d{k}")
+            items.append(f"(d{k}_get(rid) if d{k} else None)")
+        else:
+            items.append(f"d{k}_get(rid)")
     for i, nsb, offl in align_shape:
         names += [f"m{i}", f"alloc{i}"]
         window = f"tuple(b{i}[max(n{i} - {nsb}, 0):n{i}]) if n{i} > 0 else ()" if nsb else "()"
@@ -738,47 +762,47 @@ def _build_fast(sig, shape, guard, guard_names, name, drop_self=False):
         names.append(f"ids{k}")
         items.append(f"len(ids{k}.new_block_ids)")
     code.append(f"rec = ({', '.join(items)}{',' if len(items) == 1 else ''})")
-    for cell in guard_names:
-        if cell in names:
-            raise ValueError(f"guard cell {cell!r} clashes with a transaction cell")
-        names.append(cell)
     source = _FAST_TEMPLATE.format(
         cells=", ".join(names), name=name,
-        params=", ".join(decl), guard=guard, forward=", ".join(forward),
+        params=", ".join(decl), forward=", ".join(forward),
         forward_kw=", ".join(forward_kw),
         record="\n".join(" " * 12 + line for line in code))
     return source, defaults
 
 
-def make_fast_path(manager, fn, guard: str = "True", guard_cells=None, fallback=None):
-    """A function with ``fn``'s signature (``fn``: vLLM's ``allocate_slots`` bound to
-    ``manager``) that runs it as a transaction, like :func:`transact`; or None when
-    rollback is not available for ``manager`` or the signature is not plain.
+def make_fast_path(manager, fn, tripped: set | None = None, fallback=None):
+    """A transaction for ``fn`` (vLLM's ``allocate_slots`` bound to ``manager``), like
+    :func:`transact` but built for this manager; or None when rollback is not available
+    for ``manager`` or the signature is not plain.
 
-    Generated per manager, straight-line: the parameters are forwarded as they were
-    bound (no ``*args``/``**kwargs`` repacking) and the record is one flat tuple of
-    pre-bound ``dict.get`` calls and ``in`` tests (:func:`_nest` restores
+    The C accelerator's ``Transaction`` when :func:`accelerated`, else a function with
+    ``fn``'s signature generated per manager, straight-line: the parameters are forwarded
+    as they were bound (no ``*args``/``**kwargs`` repacking) and the record is one flat
+    tuple of pre-bound ``dict.get`` calls and ``in`` tests (:func:`_nest` restores
     :func:`record`'s form for an undo). The source and its compiled code are cached per
     vLLM function and plan shape, so installing on another manager only binds cells.
-    While ``guard`` (a Python expression over ``guard_cells``) is false, calls go to
-    ``fallback`` (default ``fn``) unchanged. This is the allocator patch's hot path:
-    ``allocate_slots`` runs once per scheduled request per step.
+    While ``tripped`` (a set) is not empty, calls go to ``fallback`` (default ``fn``)
+    unchanged. This is the allocator patch's hot path: ``allocate_slots`` runs once per
+    scheduled request per step.
     """
     if _disabled:
         return None
     plan = plan_for(manager)
     if plan is None:
         return None
-    guard_cells = dict(guard_cells or {})
+    tripped = set() if tripped is None else tripped
+    if accelerated():
+        return _txn.Transaction(
+            fn=fn, fallback=fallback or fn, recover=_recover_flat, disable=_disable, plan=plan,
+            manager=manager, globals=globals(), disabled=_disabled, tripped=tripped,
+            ops=_txn_ops(plan))
     shape = _plan_shape(plan)
-    guard_names = tuple(guard_cells)
     built = None
     func = _plain_method(fn)
     if func is not None:
         kwdefaults = func.__kwdefaults__
         key = (func, func.__defaults__,
-               None if kwdefaults is None else tuple(sorted(kwdefaults.items())),
-               shape, guard, guard_names)
+               None if kwdefaults is None else tuple(sorted(kwdefaults.items())), shape)
         try:
             hash(key)
         except TypeError:
@@ -790,30 +814,64 @@ def make_fast_path(manager, fn, guard: str = "True", guard_cells=None, fallback=
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
             return None
-        built = _build_fast(sig, shape, guard, guard_names,
-                            getattr(fn, "__name__", "allocate_slots"))
+        built = _build_fast(sig, shape, getattr(fn, "__name__", "allocate_slots"))
     if built is None:
         return None
     source, defaults = built
-    cells = {"fn": fn, "fallback": fallback or fn, "plan": plan, "manager": manager}
+    cells = {"fn": fn, "fallback": fallback or fn, "plan": plan, "manager": manager,
+             "tripped": tripped}
     cells.update(defaults)
     for i, rtb in enumerate(plan.rtbs):
         cells[f"rtb{i}_get"] = rtb.get
     for k, d in enumerate(plan.dicts):
         cells[f"d{k}_get"] = d.get
+        if plan.sparse[k]:
+            cells[f"d{k}"] = d
     for i, m, alloc, _nsb, _offl in plan.align:
         cells[f"m{i}"], cells[f"alloc{i}"] = m, alloc
     for k, m in enumerate(plan.record_ids):
         cells[f"ids{k}"] = m
-    cells.update(guard_cells)
     namespace: dict = {}
     exec(_compiled(source), globals(), namespace)
     return namespace["factory"](**cells)
 
 
+def accelerated() -> bool:
+    """Whether :func:`make_fast_path` builds the C ``Transaction`` (same steps as the
+    generated Python; plugin/_txn.c): it was built at install and ``KVGUARD_PURE_PYTHON``
+    does not turn it off."""
+    from vllm_kvguard.activation import flags
+
+    return _txn is not None and not flags().pure_python
+
+
+def _txn_ops(plan: Plan) -> tuple:
+    """The C ``Transaction``'s record recipe: the items of the generated Python record, in
+    the same order (:func:`_build_fast`), so both give the same flat tuple."""
+    ops = [(_txn.RTB, rtb, i) for i, rtb in enumerate(plan.rtbs)]
+    ops += [(_txn.GET, d, None) for d in plan.dicts]
+    for i, m, alloc, nsb, offl in plan.align:
+        ops.append((_txn.IN, alloc, None))
+        ops.append((_txn.LENATTR, m, "_pending_boundary_state_offloads") if offl
+                   else (_txn.CONST, 0, None))
+        ops.append((_txn.WINDOW, i, nsb) if nsb else (_txn.CONST, (), None))
+    ops += [(_txn.LENATTR, m, "new_block_ids") for m in plan.record_ids]
+    return tuple(ops)
+
+
+def is_fast_path(obj) -> bool:
+    """Whether ``obj`` is a transaction :func:`make_fast_path` built (C or Python)."""
+    if _txn is not None and type(obj) is _txn.Transaction:
+        return True
+    return getattr(getattr(obj, "__code__", None), "co_filename", None) == _FAST_FILE
+
+
+_FAST_FILE = "<kvguard allocate_slots transaction>"
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(source: str):
-    return compile(source, "<kvguard allocate_slots transaction>", "exec")
+    return compile(source, _FAST_FILE, "exec")
 
 
 def _first_call(manager, request, fn, args, kwargs):
