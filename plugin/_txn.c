@@ -109,8 +109,8 @@ build_record(Txn *self, PyObject *rid)
             item = PyLong_FromSsize_t(n);
             break;
         }
-        case OP_GET:
-            item = PyDict_GetItemWithError(obj, rid);
+        case OP_GET:            /* an empty dict's table is not read (often cold) */
+            item = PyDict_GET_SIZE(obj) ? PyDict_GetItemWithError(obj, rid) : NULL;
             if (item == NULL) {
                 if (PyErr_Occurred())
                     goto fail;
@@ -119,7 +119,7 @@ build_record(Txn *self, PyObject *rid)
             Py_INCREF(item);
             break;
         case OP_IN: {
-            int member = PySet_Contains(obj, rid);
+            int member = PySet_GET_SIZE(obj) ? PySet_Contains(obj, rid) : 0;
             if (member < 0)
                 goto fail;
             item = PyBool_FromLong(member);

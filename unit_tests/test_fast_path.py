@@ -100,6 +100,24 @@ def test_a_registration_change_removes_the_fast_path_at_once(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_hookimpl_registered_on_pluggy_directly_runs_from_the_next_step(path):
+    from vllm_kvguard.manager import get_plugin_manager
+
+    activate(path)
+    m, req = running_manager()
+    observer = Observer()
+    get_plugin_manager().register(observer, name="test.direct")
+    try:
+        assert rollback.is_fast_path(fast(m))          # not told: still in place
+        allocator._revalidate()                        # what each scheduler step does
+        assert rollback.own_attr(m, "allocate_slots") is None
+        req.append_output_token_ids(5)
+        assert m.allocate_slots(req, 1) is not None and observer.seen == ["running"]
+    finally:
+        get_plugin_manager().unregister(name="test.direct")
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_later_class_wrapper_runs_from_the_next_scheduler_step(path):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
