@@ -201,9 +201,8 @@ def _setup():
 
 
 def _teardown():
-    from vllm_kvguard.fixes import rollback
-
     from vllm_kvguard import manager
+    from vllm_kvguard.fixes import rollback
 
     manager.on_registration_change(_remove_fast_paths, remove=True)
     _remove_fast_paths()

@@ -232,7 +232,7 @@ txn_vectorcall(Txn *self, PyObject *const *args, size_t nargsf, PyObject *kwname
         }
     }
     if (request == NULL)        /* let vLLM raise its own TypeError */
-        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+        return call_vllm(self, args, nargsf, kwnames);
 
     rid = PyObject_GetAttr(request, str_request_id);
     rec = rid != NULL ? build_record(self, rid) : NULL;

@@ -742,7 +742,7 @@ def _build_fast(sig, shape, name, drop_self=False):
     # The record, flat (one tuple; _nest() gives record()'s form for an undo): each
     # entry one ``dict.get`` through a pre-bound method (one lookup, no attribute load);
     # a usually-empty dict is tested first (no call while it is empty).
-    code, items = [], []
+    items = []
     for i in range(n_rtbs):
         names.append(f"rtb{i}_get")
         items += [f"(b{i} := rtb{i}_get(rid))", f"(n{i} := -1 if b{i} is None else len(b{i}))"]
@@ -761,12 +761,11 @@ def _build_fast(sig, shape, name, drop_self=False):
     for k in range(n_ids):
         names.append(f"ids{k}")
         items.append(f"len(ids{k}.new_block_ids)")
-    code.append(f"rec = ({', '.join(items)}{',' if len(items) == 1 else ''})")
     source = _FAST_TEMPLATE.format(
         cells=", ".join(names), name=name,
         params=", ".join(decl), forward=", ".join(forward),
         forward_kw=", ".join(forward_kw),
-        record="\n".join(" " * 12 + line for line in code))
+        record=" " * 12 + f"rec = ({', '.join(items)}{',' if len(items) == 1 else ''})")
     return source, defaults
 
 
