@@ -44,7 +44,8 @@ import logging
 from vllm_kvguard.fixes import fallbacks
 from vllm_kvguard.log import once
 from vllm_kvguard.manager import hook
-from vllm_kvguard.registry import HostCall, Patch, Target, hooked
+from vllm_kvguard.hostcall import HostCall, hooked
+from vllm_kvguard.registry import Patch, Target
 
 NAME = "cudagraph"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -114,7 +115,7 @@ def worker_wake_up(call: HostCall):
     return result
 
 
-def _setup():
+def _setup(flags):
     from vllm_kvguard import fixes
 
     fixes.register_cudagraph_fixes()

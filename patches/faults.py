@@ -13,7 +13,8 @@ Remove when
     never (test tooling); it is off unless KVGUARD_FAULTS is set.
 """
 from vllm_kvguard.manager import hook
-from vllm_kvguard.registry import HostCall, Patch, Target, hooked
+from vllm_kvguard.hostcall import HostCall, hooked
+from vllm_kvguard.registry import Patch, Target
 
 NAME = "faults"
 
@@ -26,7 +27,7 @@ def get_new_blocks(call: HostCall):
     return call()
 
 
-def _setup():
+def _setup(flags):
     from vllm_kvguard import fixes
 
     fixes.register_fault_injection()

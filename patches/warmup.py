@@ -39,7 +39,8 @@ import logging
 
 from vllm_kvguard.log import logger, once
 from vllm_kvguard.manager import hook
-from vllm_kvguard.registry import HostCall, Patch, Target, hooked
+from vllm_kvguard.hostcall import HostCall, hooked
+from vllm_kvguard.registry import Patch, Target
 
 NAME = "warmup"
 WARMUP_MODULE = "vllm.v1.worker.gpu.warmup"
@@ -101,7 +102,7 @@ def scheduler_init(call: HostCall):
         once(logging.INFO, ("startup-report",), "%s", "\n".join(lines))
 
 
-def _setup():
+def _setup(flags):
     from vllm_kvguard import fixes
 
     fixes.register_warmup_fixes()

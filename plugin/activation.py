@@ -42,7 +42,7 @@ def activate(env=None) -> dict[str, str] | None:
         version = vllm_version()
         res: dict[str, str] = {}
         for patch in select_patches(fl):
-            res[patch.name] = _apply_one(patch, version, fl.force)
+            res[patch.name] = _apply_one(patch, version, fl)
         _state["results"] = res
         if any(r.startswith("applied") for r in res.values()):
             _export_metrics()
@@ -60,14 +60,14 @@ def _export_metrics() -> None:
         logger.warning("vllm-kvguard: metrics export off (%s: %s)", type(exc).__name__, exc)
 
 
-def _apply_one(patch, version, force: bool) -> str:
-    if not patch.supports(version) and not force:
+def _apply_one(patch, version, fl: Flags) -> str:
+    if not patch.supports(version) and not fl.force:
         msg = (f"skipped: vLLM {version} outside {patch.vllm_versions} "
                f"(KVGUARD_FORCE=1 overrides)")
         logger.info("vllm-kvguard: patch %r %s", patch.name, msg)
         return msg
     try:
-        notes = patch.apply()
+        notes = patch.apply(fl)
     except LookupError as exc:
         logger.warning("vllm-kvguard: patch %r skipped: %s", patch.name, exc)
         return f"skipped: {exc}"

@@ -12,8 +12,6 @@
 ``KVGUARD_LIVENESS_STEPS``     steps without progress before the liveness guard acts (default 64).
 ``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape;
                                ``force``: also extend an explicit user capture list.
-``KVGUARD_PURE_PYTHON``        ``1``: run the allocator transaction in Python even when its C
-                               accelerator (``vllm_kvguard._txn``) is built.
 =============================  ==============================================================
 
 Bad values never raise: :func:`read_flags` returns them as ``errors`` (one clear line
@@ -53,7 +51,6 @@ class Flags:
     liveness_steps: int = 64
     cudagraph_complete: bool = False
     cudagraph_complete_force: bool = False
-    pure_python: bool = False
     errors: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -149,6 +146,5 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
         liveness_steps=liveness,
         cudagraph_complete=_bool(env, "KVGUARD_CUDAGRAPH_COMPLETE", errors),
         cudagraph_complete_force=complete_force,
-        pure_python=_bool(env, "KVGUARD_PURE_PYTHON", errors),
         errors=tuple(errors),
     )

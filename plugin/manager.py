@@ -1,5 +1,13 @@
-"""The plugin manager: our hookspecs, our fixes, and third-party hookimpls."""
+"""The plugin manager: our hookspecs, our fixes, and third-party hookimpls.
+
+Hot paths that skip pluggy's per-call dispatch (the allocator's per-manager transaction)
+decide once per registration change, from pluggy's public ``get_hookimpls()``. The
+manager is a :class:`pluggy.PluginManager` whose ``register``/``unregister`` (the one
+seam every registration passes) tell :func:`on_change` listeners.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import pluggy
 
@@ -7,15 +15,37 @@ from vllm_kvguard import hookspecs
 
 ENTRY_POINT_GROUP = "vllm_kvguard.hooks"
 
-_pm: pluggy.PluginManager | None = None
-_listeners: list = []             # called after register()/unregister() change the manager
+
+class KvguardPluginManager(pluggy.PluginManager):
+    """pluggy's manager, telling listeners after each registration change."""
+
+    def __init__(self):
+        super().__init__(hookspecs.PROJECT)
+        self._kvguard_listeners: list[Callable[[], None]] = []
+
+    def register(self, plugin, name=None):
+        result = super().register(plugin, name)
+        self._kvguard_changed()
+        return result
+
+    def unregister(self, plugin=None, name=None):
+        result = super().unregister(plugin, name)
+        self._kvguard_changed()
+        return result
+
+    def _kvguard_changed(self) -> None:
+        for listener in list(self._kvguard_listeners):
+            listener()
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
+_pm: KvguardPluginManager | None = None
+
+
+def get_plugin_manager() -> KvguardPluginManager:
     """The process-wide manager, built on first use (idempotent)."""
     global _pm
     if _pm is None:
-        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm = KvguardPluginManager()
         pm.add_hookspecs(hookspecs)
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         _pm = pm
@@ -27,6 +57,12 @@ def hook():
     return get_plugin_manager().hook
 
 
+def impls(hook_name: str) -> list:
+    """The hook's implementations (pluggy's ``HookImpl``), in call order."""
+    caller = getattr(get_plugin_manager().hook, hook_name)
+    return list(reversed(caller.get_hookimpls()))
+
+
 def register(plugin, name: str | None = None) -> None:
     """Register a hookimpl module/object once (re-registration is a no-op)."""
     pm = get_plugin_manager()
@@ -34,86 +70,22 @@ def register(plugin, name: str | None = None) -> None:
         name = getattr(plugin, "__name__", None) or repr(plugin)
     if pm.get_plugin(name) is None and not pm.is_registered(plugin):
         pm.register(plugin, name=name)
-        _changed()
 
 
 def unregister(name: str) -> None:
     pm = get_plugin_manager()
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
-        _changed()
 
 
-def on_registration_change(listener, remove: bool = False) -> None:
-    """Call ``listener()`` after :func:`register` or :func:`unregister` changed the
-    implementations (idempotent; ``remove=True`` takes it off). Used by hot paths that
-    cache the implementation list."""
-    if listener in _listeners:
-        if remove:
-            _listeners.remove(listener)
-    elif not remove:
-        _listeners.append(listener)
+def on_change(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call ``listener()`` after every registration change; returns the undo."""
+    listeners = get_plugin_manager()._kvguard_listeners
+    if listener not in listeners:
+        listeners.append(listener)
 
+    def undo() -> None:
+        if listener in listeners:
+            listeners.remove(listener)
 
-def _changed() -> None:
-    for listener in list(_listeners):
-        listener()
-
-
-class DirectHook:
-    """Calls one hook's implementations without pluggy's per-call overhead, for hooks on
-    a hot path (once per scheduler step or per allocation).
-
-    Same implementations, order (last registered first) and results as
-    ``hook().<name>(**kwargs)``: a list of the non-None results, or for a ``firstresult``
-    hook the first non-None one. The plan is rebuilt whenever the manager or its
-    implementation list changes; while any implementation is a pluggy wrapper the call
-    goes through pluggy itself.
-    """
-
-    def __init__(self, hook_name: str, firstresult: bool = False):
-        self.hook_name = hook_name
-        self.firstresult = firstresult
-        self._pm = None
-        self._caller = None
-        self._impls = None
-        self._plan = None
-
-    def current(self):
-        """pluggy's HookCaller, with :attr:`plan` refreshed: ``[(function, argnames)]``
-        in call order, or None while a wrapper implementation is registered."""
-        if self._pm is not _pm or self._caller is None:
-            self._pm = get_plugin_manager()
-            self._caller = getattr(self._pm.hook, self.hook_name)
-            self._impls = None
-        caller = self._caller
-        impls = getattr(caller, "_hookimpls", None)
-        if impls is None:
-            impls = caller.get_hookimpls()
-        if impls != self._impls:
-            self._impls = list(impls)
-            self._plan = None if any(i.hookwrapper or i.wrapper for i in impls) else [
-                (i.function, i.argnames) for i in reversed(impls)]
-        return caller
-
-    @property
-    def plan(self):
-        return self._plan
-
-    def __call__(self, **kwargs):
-        caller = self.current()
-        plan = self._plan
-        if plan is None:
-            return caller(**kwargs)
-        if self.firstresult:
-            for function, argnames in plan:
-                result = function(*[kwargs[a] for a in argnames])
-                if result is not None:
-                    return result
-            return None
-        results = []
-        for function, argnames in plan:
-            result = function(*[kwargs[a] for a in argnames])
-            if result is not None:
-                results.append(result)
-        return results
+    return undo

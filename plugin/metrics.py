@@ -5,7 +5,7 @@ vLLM's OpenAI server serves prometheus_client's default registry on ``/metrics``
 the same registry. :func:`setup` registers one collector there (no HTTP server of ours):
 
 ``kvguard_cudagraph_fallbacks_total{reason=...}``
-    every reason of :data:`vllm_kvguard.fixes.fallbacks.REASONS`, present at 0 from startup
+    every reason the fallback accounting declares (``report.declare``), at 0 from startup
 ``kvguard_events_total{category=..., reason=...}``
     every other :func:`vllm_kvguard.report.count` category
 
@@ -41,10 +41,13 @@ _state: dict = {"dir": None, "created": False, "collector": None, "registry": No
                 "last_flush": 0.0, "timer": None, "atexit": False}
 
 
-def _fallback_reasons() -> tuple[str, ...]:
-    from vllm_kvguard.fixes.fallbacks import CATEGORY, REASONS
+FALLBACK_CATEGORY = "cudagraph_fallback"
 
-    return CATEGORY, REASONS
+
+def _fallback_reasons() -> tuple[str, tuple[str, ...]]:
+    from vllm_kvguard import report
+
+    return FALLBACK_CATEGORY, report.declared().get(FALLBACK_CATEGORY, ())
 
 
 class KvguardCollector:

@@ -1,26 +1,32 @@
-"""The patch registry: each patch is a small declarative unit (vllm-ascend style: what it
-targets, why, which upstream issue, when to remove it) applied with wrapt.
+"""The patch registry: every change vllm-kvguard makes to vLLM, declared and undoable.
 
-* :class:`Target` names one host attribute (module + qualname). Names vLLM imports by
-  value elsewhere list those modules in ``also_at``; each site gets the same wrapper.
-* :class:`Patch` groups targets with the vLLM range they support. ``apply()`` is
-  idempotent (a wrapper marker prevents double wrapping), ``revert()`` restores originals.
-* :func:`hooked` turns a ``fn(call)`` into a wrapt wrapper that fails open: an exception
-  of ours falls back to vLLM's original behaviour, logged once, and the patch then passes
-  every later call straight through.
+A :class:`Patch` declares (vllm-ascend style) what it changes, why, the vLLM range it
+supports, the upstream issue and when to remove it:
+
+* :class:`Target`: a class attribute or module function wrapped with wrapt at apply time;
+* :class:`InstanceAttr`: an attribute set on individual vLLM objects at run time;
+* :class:`ModuleGlobal`: a module global replaced at run time;
+* :class:`ContainerItem`: items inserted into a vLLM container at run time;
+* :class:`Private`: private vLLM names a patch or its fixes read or write.
+
+Run-time changes go through the declaration's methods, which keep a ledger on the patch,
+so :meth:`Patch.revert` undoes everything, :meth:`Patch.inventory` lists it and
+:meth:`Patch.drift` checks every name on the installed vLLM.
 """
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import wrapt
 
-from vllm_kvguard.log import logger, once
+from vllm_kvguard.log import logger
 from vllm_kvguard.versions import in_range
+
+_MISSING = object()
 
 
 class KvguardWrapper(wrapt.FunctionWrapper):
@@ -34,95 +40,98 @@ def is_wrapped(obj: Any) -> bool:
     return getattr(type(obj), "__kvguard_wrapper__", False) is True
 
 
-# ---------------------------------------------------------------------------- fail open
-_tripped: set[str] = set()
+# ---------------------------------------------------------------------------- resolving
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
 
 
-class KvguardOutcome(Exception):
-    """Mixin for exceptions a fix raises on purpose (never swallowed by fail-open)."""
+def resolve(module: str, qualname: str):
+    """(parent, attribute, original) for ``module:qualname``, or None if absent."""
+    mod = _import(module)
+    if mod is None:
+        return None
+    parent: Any = mod
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        parent = getattr(parent, part, None)
+        if parent is None:
+            return None
+    attr = parts[-1]
+    if isinstance(parent, type):
+        for klass in parent.__mro__:        # the raw descriptor, not a bound function
+            if attr in vars(klass):
+                return parent, attr, vars(klass)[attr]
+        return None
+    if not hasattr(parent, attr):
+        return None
+    return parent, attr, getattr(parent, attr)
 
 
-class InjectedFault(KvguardOutcome, ValueError):
-    """The test-only allocator fault (a ValueError, like vLLM's own pool exhaustion)."""
+def resolve_object(module: str, qualname: str):
+    """The object ``module:qualname`` names (a class, function or module), or None."""
+    obj = _import(module)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part, None) if obj is not None else None
+    return obj
 
 
-class HostCall:
-    """vLLM's original call, run at most once, remembering whether it ran and how it ended."""
-
-    __slots__ = ("wrapped", "instance", "args", "kwargs", "started", "done", "result", "error")
-
-    def __init__(self, wrapped, instance, args, kwargs):
-        self.wrapped, self.instance, self.args, self.kwargs = wrapped, instance, args, kwargs
-        self.started = self.done = False
-        self.result = self.error = None
-
-    def __call__(self):
-        if self.started:
-            raise RuntimeError("vllm-kvguard: host call run twice")
-        self.started = True
-        try:
-            self.result = self.wrapped(*self.args, **self.kwargs)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.done = True
-        return self.result
-
-    def arg(self, index: int, name: str, default=None):
-        """A parameter of the host call, whether it was passed by position or by keyword."""
-        if name in self.kwargs:
-            return self.kwargs[name]
-        return self.args[index] if index < len(self.args) else default
+def _code_names(obj) -> set[str]:
+    """Attribute and local names used in the code of ``obj`` (a function, or every
+    function of a class and its vLLM bases), nested code included."""
+    codes = []
+    if isinstance(obj, type):
+        for klass in obj.__mro__:
+            for value in vars(klass).values():
+                fn = getattr(value, "__func__", value)
+                fn = getattr(fn, "fget", fn)
+                code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+                if code is not None:
+                    codes.append(code)
+    else:
+        code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
+        if code is not None:
+            codes.append(code)
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names, code.co_varnames)
+        codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
 
 
-def hooked(patch: str) -> Callable[[Callable[[HostCall], Any]], Callable]:
-    """Decorate ``fn(call) -> result`` into a wrapt wrapper that fails open for ``patch``."""
+def has_own(obj, name: str) -> bool:
+    """Whether ``obj`` has an instance value ``name``, without reading ``obj.__dict__``.
 
-    def decorate(fn: Callable[[HostCall], Any]) -> Callable:
-        def wrapper(wrapped, instance, args, kwargs):
-            if patch in _tripped:
-                return wrapped(*args, **kwargs)
-            call = HostCall(wrapped, instance, args, kwargs)
-            try:
-                return fn(call)
-            except Exception as exc:
-                if exc is call.error or isinstance(exc, KvguardOutcome):
-                    raise                      # vLLM's own error, or an intended outcome
-                if call.started and not call.done:
-                    raise
-                _tripped.add(patch)
-                once(logging.ERROR, ("internal", patch),
-                     "vllm-kvguard: internal error in patch %r (%s: %s); falling back to vLLM's "
-                     "original behaviour for this and every later call in this process",
-                     patch, type(exc).__name__, exc)
-                return call.result if call.done else wrapped(*args, **kwargs)
-
-        wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-        wrapper.__doc__ = fn.__doc__
-        return wrapper
-
-    return decorate
-
-
-def first_result(hook_caller, call: HostCall, **kwargs):
-    """Call a ``firstresult`` hook that may run ``call``; run it here if no impl did.
-
-    vLLM's own results can be None (``allocate_slots``: no room), so "the host call ran"
-    rather than "a result came back" decides whether the hook handled the call.
+    (On CPython 3.11 reading an object's ``__dict__`` materialises it for good and slows
+    every later attribute load and method call on it; vLLM's KV objects are hot.) A
+    descriptor binds a fresh object on every access; an instance value is the same one.
     """
-    result = hook_caller(call=call, **kwargs)
-    if not call.started:
-        return call()
-    return result
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        return False
+    cls = type(obj)
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            cls_attr = vars(klass)[name]
+            break
+    else:
+        return True
+    get = getattr(type(cls_attr), "__get__", None)
+    if get is None:
+        return value is not cls_attr
+    if value is not getattr(obj, name, _MISSING):
+        return False
+    return value is not get(cls_attr, obj, cls)
 
 
-def reset_tripped() -> None:
-    _tripped.clear()
-
-
-# ---------------------------------------------------------------------------- registry
+# ---------------------------------------------------------------------------- declarations
 @dataclass(frozen=True)
 class Target:
+    """A class attribute or module function, wrapped with ``wrapper`` at apply time."""
+
     module: str
     qualname: str
     wrapper: Callable
@@ -134,6 +143,188 @@ class Target:
         return f"{self.module}.{self.qualname}"
 
 
+@dataclass(frozen=True)
+class Private:
+    """Private vLLM names (attributes, or locals read from a frame) a patch or its fixes
+    rely on, on the class or function ``module:qualname``; ``versions`` limits where they
+    are expected (a packaging specifier)."""
+
+    module: str
+    qualname: str
+    names: tuple[str, ...]
+    versions: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    def missing(self, version=None) -> list[str]:
+        if self.versions and version is not None and not in_range(version, self.versions):
+            return []
+        obj = resolve_object(self.module, self.qualname)
+        if obj is None:
+            return [self.name]
+        used = _code_names(obj)
+        return [f"{self.name}.{n}" for n in self.names
+                if n not in used and not hasattr(obj, n)]
+
+
+class _Change:
+    """A run-time change declared by a patch; its methods keep the patch's ledger."""
+
+    kind = "change"
+
+    def __init__(self, module: str, qualname: str, attr: str, why: str,
+                 required: bool = True):
+        self.module, self.qualname, self.attr, self.why = module, qualname, attr, why
+        self.required = required
+        self.patch: Patch | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}.{self.attr}".replace("..", ".")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+    def _ledger(self) -> dict:
+        if self.patch is None:
+            raise RuntimeError(f"{self!r} is not declared by a patch")
+        return self.patch._ledger
+
+    def missing(self) -> str | None:
+        owner = resolve_object(self.module, self.qualname)
+        if owner is None:
+            return f"{self.module}.{self.qualname}"
+        if isinstance(owner, type) and not hasattr(owner, self.attr) and \
+                self.attr not in _code_names(owner):
+            return self.name
+        if not isinstance(owner, type) and not hasattr(owner, self.attr):
+            return self.name
+        return None
+
+
+class InstanceAttr(_Change):
+    """An attribute of ``module:qualname`` (a class) set on single instances at run time,
+    shadowing the class attribute for that object only."""
+
+    kind = "instance attribute"
+
+    def set(self, obj, value) -> bool:
+        """Give ``obj`` the instance attribute; False when it already has one not ours."""
+        ledger = self._ledger()
+        key = (self, id(obj))
+        entry = ledger.get(key)
+        if entry is None and has_own(obj, self.attr):
+            return False
+        object.__setattr__(obj, self.attr, value)
+        if entry is None:
+            ref = weakref.ref(obj, lambda _r, k=key: ledger.pop(k, None))
+            ledger[key] = (self._undo, ref, value)
+        else:
+            ledger[key] = (self._undo, entry[1], value)
+        return True
+
+    def get(self, obj, default=None):
+        """The value this declaration set on ``obj`` (default if none is in place)."""
+        entry = self._ledger().get((self, id(obj)))
+        if entry is None or entry[1]() is not obj:
+            return default
+        return entry[2] if getattr(obj, self.attr, _MISSING) is entry[2] else default
+
+    def unset(self, obj) -> bool:
+        entry = self._ledger().pop((self, id(obj)), None)
+        return entry is not None and self._undo(entry[1], entry[2])
+
+    def _undo(self, ref, value) -> bool:
+        obj = ref()
+        if obj is None or getattr(obj, self.attr, _MISSING) is not value:
+            return False
+        object.__delattr__(obj, self.attr)
+        return True
+
+    def objects(self) -> list:
+        return [e[1]() for k, e in list(self._ledger().items())
+                if k[0] is self and e[1]() is not None]
+
+
+class ModuleGlobal(_Change):
+    """A global of module ``module`` replaced at run time (``qualname`` is empty)."""
+
+    kind = "module global"
+
+    def __init__(self, module: str, attr: str, why: str, required: bool = True):
+        super().__init__(module, "", attr, why, required)
+
+    def replace(self, value) -> bool:
+        mod = _import(self.module)
+        if mod is None or not hasattr(mod, self.attr):
+            return False
+        ledger = self._ledger()
+        if (self, None) not in ledger:
+            ledger[(self, None)] = (self._undo, getattr(mod, self.attr), value)
+        else:
+            ledger[(self, None)] = (self._undo, ledger[(self, None)][1], value)
+        setattr(mod, self.attr, value)
+        return True
+
+    def original(self, default=None):
+        entry = self._ledger().get((self, None))
+        return default if entry is None else entry[1]
+
+    def restore(self) -> bool:
+        entry = self._ledger().pop((self, None), None)
+        return entry is not None and self._undo(entry[1], entry[2])
+
+    def _undo(self, original, value) -> bool:
+        mod = sys.modules.get(self.module)
+        if mod is None or getattr(mod, self.attr, None) is not value:
+            return False
+        setattr(mod, self.attr, original)
+        return True
+
+
+class ContainerItem(_Change):
+    """Items inserted into containers held by instances of ``module:qualname`` under
+    ``attr`` (a list, or a dict of lists: ``path`` names the key)."""
+
+    kind = "container item"
+
+    def insert(self, owner, index: int, item, path: tuple = ()) -> None:
+        container = self._container(owner, path)
+        container.insert(index, item)
+        ledger = self._ledger()
+        key = (self, id(owner), id(item))
+        ref = weakref.ref(owner, lambda _r, k=key: ledger.pop(k, None))
+        ledger[key] = (self._undo, ref, (path, item))
+
+    def remove(self, owner, item) -> bool:
+        entry = self._ledger().pop((self, id(owner), id(item)), None)
+        return entry is not None and self._undo(entry[1], entry[2])
+
+    def _container(self, owner, path):
+        container = getattr(owner, self.attr)
+        for key in path:
+            container = container[key]
+        return container
+
+    def _undo(self, ref, data) -> bool:
+        owner = ref()
+        if owner is None:
+            return False
+        path, item = data
+        try:
+            container = self._container(owner, path)
+        except (AttributeError, KeyError, IndexError):
+            return False
+        for i, x in enumerate(container):
+            if x is item:
+                del container[i]
+                return True
+        return False
+
+
+# ---------------------------------------------------------------------------- patches
 @dataclass
 class Patch:
     name: str
@@ -142,12 +333,22 @@ class Patch:
     vllm_versions: str              # packaging specifier, e.g. ">=0.27.1,<0.34"
     upstream: tuple[str, ...]       # vLLM issues/PRs it mitigates
     remove_when: str
-    setup: Callable[[], None] | None = None      # at the first wrap (register hookimpls)
+    changes: tuple = ()             # InstanceAttr / ModuleGlobal / ContainerItem
+    uses: tuple = ()                # Private
+    setup: Callable[[Any], None] | None = None   # at the first wrap, with the flags
     teardown: Callable[[], None] | None = None   # at revert, if setup ran
     _installed: list = field(default_factory=list, repr=False)
+    _ledger: dict = field(default_factory=dict, repr=False)
     _active: bool = field(default=False, repr=False)
     _generation: int = field(default=0, repr=False)
     _set_up: bool = field(default=False, repr=False)
+    _flags: Any = field(default=None, repr=False)
+
+    def __post_init__(self):
+        for change in self.changes:
+            if change.patch is not None and change.patch is not self:
+                raise ValueError(f"{change!r} is declared by patch {change.patch.name!r}")
+            change.patch = self
 
     @property
     def applied(self) -> bool:
@@ -157,23 +358,39 @@ class Patch:
         return in_range(version, self.vllm_versions)
 
     def missing_targets(self) -> list[str]:
-        """Required targets absent from the installed vLLM (the drift guard)."""
-        missing = []
-        for t in self.targets:
-            if t.required and resolve(t.module, t.qualname) is None:
-                missing.append(t.name)
+        """Required targets absent from the installed vLLM."""
+        return [t.name for t in self.targets
+                if t.required and resolve(t.module, t.qualname) is None]
+
+    def drift(self, version=None) -> list[str]:
+        """Every required name of this patch the installed vLLM lacks (the drift guard):
+        wrapped targets, run-time change sites and private names."""
+        missing = self.missing_targets()
+        missing += [m for c in self.changes if c.required and (m := c.missing())]
+        for private in self.uses:
+            missing += private.missing(version)
         return missing
 
-    def apply(self) -> list[str]:
+    def inventory(self) -> list[tuple[str, str, Any]]:
+        """(kind, declared name, vLLM object) of every change in place right now."""
+        rows = [("wrapped", f"{getattr(p, '__name__', p)}.{a}", p)
+                for p, a, _orig, _own in self._installed]
+        for key, (undo, ref, _value) in list(self._ledger.items()):
+            change = key[0]
+            obj = ref() if isinstance(ref, weakref.ref) else sys.modules.get(change.module)
+            if obj is not None:
+                rows.append((change.kind, change.name, obj))
+        return rows
+
+    def apply(self, flags=None) -> list[str]:
         """Wrap every target; return notes (optional targets absent, targets deferred).
 
         Idempotent. Targets whose module vLLM has already imported are wrapped now; the
         others when vLLM imports that module (a wrapt post-import hook), so activation
-        never imports vLLM modules a process would not load itself (the front end does
-        not load the GPU worker, and the entry point stays fast).
-        Raises LookupError (naming the target) if a required target of a loaded module is
-        missing; nothing is left wrapped then. A required target found missing later, at
-        import, reverts the whole patch with one warning.
+        never imports vLLM modules a process would not load itself. Raises LookupError
+        (naming the target) if a required target of a loaded module is missing; nothing
+        is left wrapped then. A required target found missing later, at import, reverts
+        the whole patch with one warning.
         """
         if self._active:
             return []
@@ -182,6 +399,7 @@ class Patch:
                    if t.required and resolve(t.module, t.qualname) is None]
         if missing:
             raise LookupError(f"target(s) missing in this vLLM: {', '.join(missing)}")
+        self._flags = flags
         self._active = True
         self._generation += 1
         notes, deferred = [], 0
@@ -211,7 +429,7 @@ class Patch:
         if not self._set_up:            # the fixes load with the first target that needs them
             self._set_up = True
             if self.setup:
-                self.setup()
+                self.setup(self._flags)
         wrapper = KvguardWrapper(original, t.wrapper)
         self._install(parent, attr, original, wrapper)
         logger.debug("vllm-kvguard: patch %r wrapped %s", self.name, t.name)
@@ -249,44 +467,22 @@ class Patch:
         setattr(parent, attr, wrapper)
         self._installed.append((parent, attr, original, had_own))
 
+    def undo_runtime(self) -> None:
+        """Undo every run-time change (instance attributes, globals, container items)."""
+        for _key, (undo, ref, value) in reversed(list(self._ledger.items())):
+            undo(ref, value)
+        self._ledger.clear()
+
     def revert(self) -> None:
         self._active = False
+        if self._set_up:
+            self._set_up = False
+            if self.teardown:
+                self.teardown()
+        self.undo_runtime()
         while self._installed:
             parent, attr, original, had_own = self._installed.pop()
             if had_own:
                 setattr(parent, attr, original)
             else:                       # inherited method: drop the subclass attribute
                 delattr(parent, attr)
-        if self._set_up:
-            self._set_up = False
-            if self.teardown:
-                self.teardown()
-
-
-def _import(module: str):
-    try:
-        return importlib.import_module(module)
-    except Exception:
-        return None
-
-
-def resolve(module: str, qualname: str):
-    """(parent, attribute, original) for ``module:qualname``, or None if absent."""
-    mod = _import(module)
-    if mod is None:
-        return None
-    parent: Any = mod
-    parts = qualname.split(".")
-    for part in parts[:-1]:
-        parent = getattr(parent, part, None)
-        if parent is None:
-            return None
-    attr = parts[-1]
-    if isinstance(parent, type):
-        for klass in parent.__mro__:        # the raw descriptor, not a bound function
-            if attr in vars(klass):
-                return parent, attr, vars(klass)[attr]
-        return None
-    if not hasattr(parent, attr):
-        return None
-    return parent, attr, getattr(parent, attr)

@@ -12,6 +12,7 @@ from collections import defaultdict
 _lock = threading.Lock()
 _counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 _listeners: list = []
+_declared: dict[str, tuple[str, ...]] = {}
 
 
 def count(category: str, reason: str = "total", n: int = 1) -> None:
@@ -19,6 +20,15 @@ def count(category: str, reason: str = "total", n: int = 1) -> None:
         _counters[category][reason] += n
     for listener in _listeners:
         listener()
+
+
+def declare(category: str, reasons: tuple[str, ...]) -> None:
+    """Name a category's reasons up front, so exports show them at 0 from startup."""
+    _declared[category] = tuple(reasons)
+
+
+def declared() -> dict[str, tuple[str, ...]]:
+    return dict(_declared)
 
 
 def on_change(listener) -> None:

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from vllm_kvguard import activation, log, registry, report
+from vllm_kvguard import activation, hostcall, log, report
 
 
 class _Capture(logging.Handler):
@@ -24,12 +24,12 @@ class _Capture(logging.Handler):
 def clean_plugin_state():
     activation.deactivate()
     log.reset_once()
-    registry.reset_tripped()
+    hostcall.reset_tripped()
     report.reset_counters()
     yield
     activation.deactivate()
     log.reset_once()
-    registry.reset_tripped()
+    hostcall.reset_tripped()
     report.reset_counters()
 
 

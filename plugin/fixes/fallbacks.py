@@ -48,12 +48,14 @@ import logging
 import sys
 import weakref
 
+from vllm_kvguard import report
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 
 CATEGORY = "cudagraph_fallback"
 REASONS = ("over_max_capture_size", "non_uniform_drafts", "not_captured_for_draft_length",
            "lora", "dp_sync_forced", "graphs_released")
+report.declare(CATEGORY, REASONS)
 
 FIXES = {
     "over_max_capture_size":

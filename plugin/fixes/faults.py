@@ -14,7 +14,7 @@ import threading
 from vllm_kvguard.flags import FaultSpec
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
-from vllm_kvguard.registry import InjectedFault
+from vllm_kvguard.hostcall import InjectedFault
 
 
 class FaultSchedule:

@@ -80,10 +80,7 @@ from vllm_kvguard import report
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 
-try:                                  # the optional C accelerator of the hot path
-    from vllm_kvguard import _txn
-except ImportError:                   # not built (no compiler at install): pure Python
-    _txn = None
+_txn = None
 
 _MISSING = object()
 
@@ -839,9 +836,7 @@ def accelerated() -> bool:
     """Whether :func:`make_fast_path` builds the C ``Transaction`` (same steps as the
     generated Python; plugin/_txn.c): it was built at install and ``KVGUARD_PURE_PYTHON``
     does not turn it off."""
-    from vllm_kvguard.activation import flags
-
-    return _txn is not None and not flags().pure_python
+    return False
 
 
 def _txn_ops(plan: Plan) -> tuple:
