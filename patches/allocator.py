@@ -1,45 +1,137 @@
-"""TEMPORARY (redesign in progress): the allocator patch without its fast path."""
+"""Host surface: the scheduler-side KV block allocator.
+
+Targets
+    ``KVCacheManager.allocate_slots`` -> hook ``kvguard_allocate_slots`` ->
+        :class:`vllm_kvguard.fixes.rollback.Rollback` (the transaction)
+    ``Scheduler.schedule`` -> hook ``kvguard_after_schedule`` ->
+        :mod:`vllm_kvguard.fixes.audit` (``KVGUARD_AUDIT=1``), :mod:`vllm_kvguard.fixes.liveness`
+Run-time changes
+    ``KVCacheManager.allocate_slots`` per manager: while the rollback fix is the only
+    ``kvguard_allocate_slots`` implementation, each manager's first call installs its
+    transaction as an instance attribute, so later calls skip wrapt, ``HostCall`` and
+    pluggy (``allocate_slots`` runs once per scheduled request per step). Any other
+    registration, a trip, or revert removes them all.
+    ``BlockPool`` methods per pool: the journal's logging shadows (:mod:`.fixes.journal`).
+Why
+    ``allocate_slots`` checks the budget once, then mutates group by group; a wrong
+    estimate for one group raises ``ValueError("Cannot get N free blocks")`` half-way and
+    kills EngineCore. Requests that can never fit wait forever.
+Upstream
+    vllm#45856, vllm#46892, vllm#35541, vllm#39734.
+Remove when
+    vLLM's allocate_slots rolls back a mid-way failure and the scheduler rejects requests
+    that can never fit.
+"""
 from __future__ import annotations
 
+from vllm_kvguard import hostcall
+from vllm_kvguard import manager as plugins
+from vllm_kvguard.fixes.journal import NAMES as POOL_METHODS
 from vllm_kvguard.hostcall import HostCall, first_result, hooked
-from vllm_kvguard.manager import hook
-from vllm_kvguard.registry import Patch, Target
+from vllm_kvguard.registry import InstanceAttr, Patch, Private, Target, resolve
 
 NAME = "allocator"
+KV_MANAGER = "vllm.v1.core.kv_cache_manager"
+STM = "vllm.v1.core.single_type_kv_cache_manager"
+
+FAST_PATH = InstanceAttr(KV_MANAGER, "KVCacheManager", "allocate_slots",
+                         "the manager's transaction, called without wrapt and pluggy")
+POOL_SHADOWS = {name: InstanceAttr("vllm.v1.core.block_pool", "BlockPool", name,
+                                   "logs the pool operation during a transaction",
+                                   required=name in ("get_new_blocks", "touch",
+                                                     "cache_full_blocks"))
+                for name in POOL_METHODS}
+
+
+class _State:
+    fix = None                  # the Rollback this patch registered
+    fast = False                # whether managers get their transaction installed
+    undo: list = []
+
+
+def _sole_fix() -> bool:
+    impls = plugins.impls("kvguard_allocate_slots")
+    return len(impls) == 1 and impls[0].plugin is _State.fix
+
+
+def _recheck() -> None:
+    """A registration changed (or the patch tripped): choose the path again."""
+    _State.fast = _State.fix is not None and not hostcall.tripped(NAME) and _sole_fix()
+    if not _State.fast:
+        for m in FAST_PATH.objects():
+            FAST_PATH.unset(m)
+
+
+def _ours(manager) -> bool:
+    resolved = resolve(type(manager).__module__, type(manager).__qualname__ + ".allocate_slots")
+    return resolved is not None and getattr(resolved[2], "_self_wrapper", None) is allocate_slots
 
 
 @hooked(NAME)
 def allocate_slots(call: HostCall):
-    return first_result(hook().kvguard_allocate_slots, call, manager=call.instance,
+    manager = call.instance
+    if _State.fast and FAST_PATH.get(manager) is None and _ours(manager):
+        txn = _State.fix.transaction(manager, call.wrapped)
+        if txn is not None:
+            FAST_PATH.set(manager, txn)
+    return first_result(plugins.hook().kvguard_allocate_slots, call, manager=manager,
                         request=call.arg(0, "request"))
 
 
 @hooked(NAME)
 def schedule(call: HostCall):
     output = call()
-    hook().kvguard_after_schedule(scheduler=call.instance, output=output)
+    plugins.hook().kvguard_after_schedule(scheduler=call.instance, output=output)
     return output
 
 
-def _setup(flags):
-    from vllm_kvguard import fixes
+def _notify(**kwargs) -> None:
+    plugins.hook().kvguard_allocation_rolled_back(**kwargs)
 
-    fixes.register_allocator_fixes()
+
+def _setup(flags):
+    from vllm_kvguard.fixes import liveness, rollback
+
+    _State.fix = rollback.Rollback(POOL_SHADOWS, notify=_notify)
+    plugins.register(_State.fix, "kvguard.rollback")
+    plugins.register(liveness.Liveness(flags.liveness_steps if flags else 64),
+                     "kvguard.liveness")
+    if flags is not None and flags.audit:
+        from vllm_kvguard.fixes import audit
+
+        plugins.register(audit.Audit(), "kvguard.audit")
+    _State.undo = [plugins.on_change(_recheck), hostcall.on_trip(lambda _name: _recheck())]
+    _recheck()
 
 
 def _teardown():
-    from vllm_kvguard.fixes import rollback
-
-    rollback.uninstall_all()
+    for undo in _State.undo:
+        undo()
+    _State.undo = []
+    for name in ("kvguard.rollback", "kvguard.liveness", "kvguard.audit"):
+        plugins.unregister(name)
+    if _State.fix is not None:
+        _State.fix.close()
+    _State.fix, _State.fast = None, False
 
 
 PATCH = Patch(
     name=NAME,
     summary="transactional allocate_slots, liveness guard, audit mode",
     targets=[
-        Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", allocate_slots),
+        Target(KV_MANAGER, "KVCacheManager.allocate_slots", allocate_slots),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.schedule", schedule),
     ],
+    changes=(FAST_PATH, *POOL_SHADOWS.values()),
+    uses=(
+        Private("vllm.v1.core.block_pool", "BlockPool", ("_maybe_evict_cached_block",)),
+        Private(STM, "SingleTypeKVCacheManager", ("_partial_hit_reqs",)),
+        Private(STM, "SingleTypeKVCacheManager", ("_record_new_block_ids",)),
+        Private(STM, "FullAttentionManager", ("_pending_cow_copies",)),
+        Private(STM, "MambaManager", ("_allocated_block_reqs", "_producer_partial_tail_reqs")),
+        Private(STM, "MambaManager", ("_pending_boundary_state_offloads",), ">=0.29"),
+        Private("vllm.v1.core.sched.scheduler", "Scheduler", ("_pause_state",)),
+    ),
     vllm_versions=">=0.27.1,<0.34",
     upstream=("vllm#45856", "vllm#46892", "vllm#35541", "vllm#39734"),
     remove_when="vLLM rolls back a half-done allocate_slots itself and rejects "

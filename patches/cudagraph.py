@@ -116,9 +116,11 @@ def worker_wake_up(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard import fixes
+    from vllm_kvguard.fixes import coverage
+    from vllm_kvguard.manager import register
 
-    fixes.register_cudagraph_fixes()
+    register(coverage, "kvguard.coverage")
+    register(fallbacks, "kvguard.fallbacks")
 
 
 def _teardown():

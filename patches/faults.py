@@ -27,10 +27,27 @@ def get_new_blocks(call: HostCall):
     return call()
 
 
-def _setup(flags):
-    from vllm_kvguard import fixes
+_live: list = []
 
-    fixes.register_fault_injection()
+
+def injector():
+    """The injector this patch registered (None when not applied): tests reset it."""
+    return _live[0] if _live else None
+
+
+def _setup(flags):
+    from vllm_kvguard.fixes.faults import Injector
+    from vllm_kvguard.manager import register
+
+    _live[:] = [Injector(flags.faults)]
+    register(_live[0], "kvguard.faults")
+
+
+def _teardown():
+    from vllm_kvguard.manager import unregister
+
+    unregister("kvguard.faults")
+    _live.clear()
 
 
 PATCH = Patch(
@@ -41,4 +58,5 @@ PATCH = Patch(
     upstream=(),
     remove_when="never: rehearsal tooling, off unless KVGUARD_FAULTS is set",
     setup=_setup,
+    teardown=_teardown,
 )

@@ -40,7 +40,7 @@ import logging
 from vllm_kvguard.log import logger, once
 from vllm_kvguard.manager import hook
 from vllm_kvguard.hostcall import HostCall, hooked
-from vllm_kvguard.registry import Patch, Target
+from vllm_kvguard.registry import Patch, Private, Target
 
 NAME = "warmup"
 WARMUP_MODULE = "vllm.v1.worker.gpu.warmup"
@@ -103,9 +103,19 @@ def scheduler_init(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard import fixes
+    from vllm_kvguard.fixes import capacity, estimate, warmup_guard
+    from vllm_kvguard.manager import register
 
-    fixes.register_warmup_fixes()
+    register(estimate, "kvguard.estimate")
+    register(warmup_guard, "kvguard.warmup_guard")
+    register(capacity, "kvguard.capacity")
+
+
+def _teardown():
+    from vllm_kvguard.manager import unregister
+
+    for name in ("kvguard.estimate", "kvguard.warmup_guard", "kvguard.capacity"):
+        unregister(name)
 
 
 PATCH = Patch(
@@ -121,10 +131,12 @@ PATCH = Patch(
                dummy_sampler_run, required=False),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", scheduler_init),
     ],
+    uses=(Private(WARMUP_MODULE, "", ("_warmup_kernels",), ">=0.32"),),
     vllm_versions=">=0.27.1,<0.34",
     upstream=("vllm#51438", "vllm#50531", "vllm#37521"),
     remove_when="vLLM's V2 warmup bounds its block ids and cleans up on failure, "
                 "MRV1 profiles k drafts (vllm#37521), and the startup concurrency / Mamba "
                 "FULL-decode checks count speculative blocks",
     setup=_setup,
+    teardown=_teardown,
 )

@@ -4,9 +4,9 @@ Each wrapper in ``vllm_kvguard.patches`` calls exactly one of these hooks; the p
 own fixes are hookimpls in ``vllm_kvguard.fixes``. Third parties register more hookimpls
 through the entry-point group ``vllm_kvguard.hooks`` (see README, "Extending").
 
-Conventions: ``call`` is the host call (:class:`vllm_kvguard.registry.HostCall`); a
-``firstresult`` hook whose implementations all return None lets the wrapper run
-``call()`` itself, so vLLM's behaviour is unchanged when nobody implements it.
+Conventions: ``call`` is the host call (:class:`vllm_kvguard.hostcall.HostCall`); a
+``firstresult`` hook whose implementations all return None without running ``call()``
+lets the wrapper run it, so vLLM's behaviour is unchanged when nobody implements it.
 """
 import pluggy
 
@@ -20,14 +20,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def kvguard_allocate_slots(manager, request, call):
     """Run ``KVCacheManager.allocate_slots`` (``call()``) and return its result.
 
-    The rollback fix runs the call as a transaction (an undo log of what it changes) and
-    on a mid-way exception restores every group and the pool and returns None ("no room
-    now"). The allocator patch stops at the first implementation that ran ``call()``.
-    Hot path: when a single implementation is registered and its function has an
-    attribute ``kvguard_direct`` (a factory ``(manager, original, guard=, guard_cells=,
-    fallback=) -> function with original's signature, or None``), the patch installs
-    that function on the manager and it runs without ``HostCall`` and pluggy
-    (patches/allocator.py, rollback.make_fast_path).
+    The rollback fix runs the call as a transaction and on a mid-way exception restores
+    every group and the pool and returns None ("no room now"). The first implementation
+    that returns a result or runs ``call()`` decides. While the rollback fix is the only
+    implementation, managers call its transaction directly (without this hook); any other
+    registration sends every call through the hook again (patches/allocator.py).
     """
 
 
@@ -43,8 +40,9 @@ def kvguard_inject_fault(pool, num_blocks):
 
 @hookspec
 def kvguard_after_schedule(scheduler, output):
-    """After every ``Scheduler.schedule()``: audit invariants (``KVGUARD_AUDIT=1``) and the
-    liveness guard. An implementation must not raise (ours log once and skip)."""
+    """After every ``Scheduler.schedule()`` returned ``output``: the audit (registered only
+    with ``KVGUARD_AUDIT=1``) and the liveness guard. Return value ignored. An
+    implementation must not raise (ours log once and skip)."""
 
 
 # --------------------------------------------------------------------------- estimation
@@ -66,7 +64,8 @@ def kvguard_warmup(model_runner, call):
     """Run the model-runner-V2 kernel warmup (``call()``) in-bounds and best-effort.
 
     ``call`` is vLLM's ``_warmup_kernels`` (0.32+) or ``warmup_kernels`` (0.27.1) call; an
-    impl may replace ``call.args`` before running it. Return anything (ignored).
+    impl may replace ``call.args`` before running it. Returning a non-None value without
+    running ``call()`` skips the warmup; the wrapper returns ``call``'s result if it ran.
     """
 
 
@@ -80,7 +79,8 @@ def kvguard_dummy_sampler_run(runner, call):
 
 @hookspec
 def kvguard_startup_report(vllm_config, kv_cache_config):
-    """Return report lines (list of str) to log once, when the scheduler's KV cache is built."""
+    """Return report lines (list of str) to log once per process, after a ``Scheduler``
+    is built."""
 
 
 # --------------------------------------------------------------------------- cudagraph

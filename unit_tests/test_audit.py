@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+
 from kv_fixtures import (groups, hybrid_manager, make_request, make_scheduler,  # noqa: E402
                          prefill, scheduler_step)
 

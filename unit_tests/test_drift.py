@@ -46,6 +46,18 @@ def test_target_resolves(patch, target):
     check_drift(patch, target)
 
 
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_every_declared_name_resolves(patch):
+    """Targets, run-time change sites (instance attributes, globals, containers) and the
+    private vLLM names each patch and its fixes rely on, on this vLLM."""
+    if not patch.supports(VERSION):
+        pytest.skip(f"vLLM {VERSION} outside {patch.name}'s range {patch.vllm_versions}")
+    missing = patch.drift(VERSION)
+    assert not missing, (f"vllm-kvguard drift: patch {patch.name!r} relies on names vLLM "
+                         f"{VERSION} lacks: {', '.join(missing)}; follow the rename in vLLM, "
+                         f"declare a version range for the name, or narrow vllm_versions")
+
+
 def test_every_patch_with_targets_is_checked():
     checked = {case.values[0].name for case in CASES}
     assert "allocator" in checked

@@ -1,8 +1,6 @@
-"""The allocator's hot path (patches/allocator.py, fixes/rollback.py, plugin/_txn.c): which
-transaction a KVCacheManager gets, when it steps aside, and what the C accelerator does
-at its edges (keyword calls, BaseExceptions, a failing record, references it holds).
-
-REAL vLLM managers and schedulers; the Python and the C transaction are both checked."""
+"""The allocator's hot path: which managers get their transaction installed
+(patches/allocator.py), when it steps aside, and its edges (keyword calls,
+BaseExceptions, a failing record, references it holds). REAL vLLM managers."""
 from __future__ import annotations
 
 import gc
@@ -12,29 +10,29 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import wrapt  # noqa: E402
-from kv_fixtures import (hybrid_manager, make_request, make_scheduler, prefill,  # noqa: E402
-                         scheduler_step, state, state_diff)
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+from kv_fixtures import (hybrid_manager, make_request, prefill, state,  # noqa: E402
+                         state_diff)
 
-from vllm_kvguard import activation, registry, report  # noqa: E402
-from vllm_kvguard.fixes import faults, rollback  # noqa: E402
+from vllm_kvguard import activation, hostcall, report  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.hookspecs import hookimpl  # noqa: E402
-from vllm_kvguard.manager import register, unregister  # noqa: E402
+from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
+from vllm_kvguard.manager import get_plugin_manager, register, unregister  # noqa: E402
 from vllm_kvguard.patches import allocator  # noqa: E402
-from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.patches import faults as fault_patch  # noqa: E402
 
 pytestmark = pytest.mark.requires_patch("allocator")
-PATHS = ["accelerated", "pure-python"]
 
 
-def activate(path: str) -> None:
-    if path == "accelerated" and rollback._txn is None:
-        pytest.skip("the C accelerator vllm_kvguard._txn is not built")
+def activate() -> None:
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
-                         "KVGUARD_FAULTS": "every=1,after=1000000000000",
-                         "KVGUARD_PURE_PYTHON": "1" if path == "pure-python" else "0"})
-    faults.reset(FaultSpec(every=1, after=10**12))
+                         "KVGUARD_FAULTS": "every=1,after=1000000000000"})
+    fault_patch.injector().reset(FaultSpec(every=1, after=10**12))
+
+
+def arm(spec: FaultSpec) -> None:
+    fault_patch.injector().reset(spec)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -49,7 +47,7 @@ def running_manager():
 
 
 def fast(m):
-    return rollback.own_attr(m, "allocate_slots")
+    return allocator.FAST_PATH.get(m)
 
 
 class Observer:
@@ -62,94 +60,55 @@ class Observer:
 
 
 # ------------------------------------------------------------------------- which one
-@pytest.mark.parametrize("path", PATHS)
-def test_the_manager_gets_the_chosen_transaction(path):
-    activate(path)
+def test_the_manager_gets_its_transaction_at_its_first_call():
+    activate()
     m, _ = running_manager()
-    assert rollback.is_fast_path(fast(m))
-    accelerated = rollback._txn is not None and type(fast(m)) is rollback._txn.Transaction
-    assert accelerated == (path == "accelerated")
-
-
-def test_without_the_built_accelerator_the_python_transaction_runs(mocker):
-    mocker.patch.object(rollback, "_txn", None)
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
-    m, _ = running_manager()
-    assert rollback.is_fast_path(fast(m)) and hasattr(fast(m), "__code__")
+    assert fast(m) is not None and fast(m).__name__ == "allocate_slots"
+    assert m.allocate_slots is fast(m)                       # an instance attribute
+    assert ("instance attribute", allocator.FAST_PATH.name, m) in [
+        (kind, name, obj) for kind, name, obj in allocator.PATCH.inventory()]
 
 
 # ------------------------------------------------------------------------- stepping aside
-@pytest.mark.parametrize("path", PATHS)
-def test_a_registration_change_removes_the_fast_path_at_once(path):
-    activate(path)
+def test_a_registration_change_removes_the_fast_path_at_once():
+    activate()
     m, req = running_manager()
     observer = Observer()
     register(observer, "test.observer")
     try:
-        assert rollback.own_attr(m, "allocate_slots") is None          # removed at once
+        assert fast(m) is None                                         # removed at once
         req.append_output_token_ids(5)
         assert m.allocate_slots(req, 1) is not None
         assert observer.seen == ["running"]                            # pluggy path ran it
-        assert not rollback.is_fast_path(fast(m))
+        assert fast(m) is None
     finally:
         unregister("test.observer")
     req.num_computed_tokens += 1
     req.append_output_token_ids(5)
     assert m.allocate_slots(req, 1) is not None                        # rebuilt
-    assert rollback.is_fast_path(fast(m)) and observer.seen == ["running"]
+    assert fast(m) is not None and observer.seen == ["running"]
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_hookimpl_registered_on_pluggy_directly_runs_from_the_next_step(path):
-    from vllm_kvguard.manager import get_plugin_manager
-
-    activate(path)
+def test_a_hookimpl_registered_on_pluggy_directly_takes_effect_at_once():
+    activate()
     m, req = running_manager()
     observer = Observer()
     get_plugin_manager().register(observer, name="test.direct")
     try:
-        assert rollback.is_fast_path(fast(m))          # not told: still in place
-        allocator._revalidate()                        # what each scheduler step does
-        assert rollback.own_attr(m, "allocate_slots") is None
+        assert fast(m) is None                          # the manager's seam saw it
         req.append_output_token_ids(5)
         assert m.allocate_slots(req, 1) is not None and observer.seen == ["running"]
     finally:
         get_plugin_manager().unregister(name="test.direct")
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_later_class_wrapper_runs_from_the_next_scheduler_step(path):
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    activate(path)
-    sched = make_scheduler(num_gpu_blocks=33)
-    sched.add_request(make_request("q", prompt(1, 20)))
-    scheduler_step(sched)
-    manager = sched.kv_cache_manager
-    assert rollback.is_fast_path(fast(manager))
-    calls = []
-
-    def spy(wrapped, instance, args, kwargs):
-        calls.append(instance)
-        return wrapped(*args, **kwargs)
-
-    ours = vars(KVCacheManager)["allocate_slots"]
-    KVCacheManager.allocate_slots = wrapt.FunctionWrapper(ours, spy)
-    try:
-        scheduler_step(sched)                      # revalidates first, then schedules
-        assert calls == [manager]
-        assert not rollback.is_fast_path(fast(manager))
-    finally:
-        KVCacheManager.allocate_slots = ours
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_a_tripped_patch_leaves_vllm_alone(path):
-    activate(path)
+def test_a_tripped_patch_leaves_vllm_alone():
+    activate()
     m, req = running_manager()
-    assert rollback.is_fast_path(fast(m))
-    registry._tripped.add("allocator")
-    faults.reset(FaultSpec(every=1, limit=1))
+    assert fast(m) is not None
+    hostcall.trip("allocator", RuntimeError("test"))
+    assert fast(m) is None
+    arm(FaultSpec(every=1, limit=1))
     for _ in range(40):                             # until a decode step pops a block
         req.append_output_token_ids(5)
         try:
@@ -164,33 +123,31 @@ def test_a_tripped_patch_leaves_vllm_alone(path):
 
 
 # ------------------------------------------------------------------------- edges
-@pytest.mark.parametrize("path", PATHS)
-def test_request_passed_by_keyword_is_protected(path):
-    activate(path)
+def test_request_passed_by_keyword_is_protected():
+    activate()
     m, _ = running_manager()
     req = make_request("kw", prompt(5, 40))
     before = state(m)
-    faults.reset(FaultSpec(every=1, limit=1))
+    arm(FaultSpec(every=1, limit=1))
     assert m.allocate_slots(request=req, num_new_tokens=40) is None    # rolled back
     assert state_diff(before, state(m)) == []
     assert report.snapshot()["rollback"] == {"InjectedFault": 1}
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_base_exception_passes_through_and_closes_the_log(path, mocker):
-    activate(path)
+def test_a_base_exception_passes_through_and_closes_the_log(mocker):
+    activate()
     m, req = running_manager()
     coordinator = m.coordinator
     mocker.patch.object(coordinator, "allocate_new_blocks", side_effect=KeyboardInterrupt)
     req.append_output_token_ids(5)
     with pytest.raises(KeyboardInterrupt):
         m.allocate_slots(req, 1)
-    assert rollback._log is None and "rollback" not in report.snapshot()
+    assert m.block_pool.get_new_blocks.__self__.log is None
+    assert "rollback" not in report.snapshot()
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_failing_record_turns_rollback_off_and_runs_vllm(path, kvguard_log):
-    activate(path)
+def test_a_failing_record_turns_rollback_off_and_runs_vllm(kvguard_log):
+    activate()
     m, req = running_manager()
 
     class NoId:                       # a request-like object without request_id
@@ -202,17 +159,16 @@ def test_a_failing_record_turns_rollback_off_and_runs_vllm(path, kvguard_log):
     req.append_output_token_ids(5)
     with pytest.raises(AttributeError):
         m.allocate_slots(NoId(), 1)   # vLLM's own call raises on it too, after ours fails
-    assert rollback._disabled and report.snapshot()["internal_error"] == {"rollback": 1}
+    assert allocator._State.fix.disabled and report.snapshot()["internal_error"] == {"rollback": 1}
     assert any("no longer rolled back" in line for line in kvguard_log.lines())
     assert m.allocate_slots(req, 1) is not None      # vLLM keeps serving, unprotected
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_the_transaction_keeps_no_references(path):
+def test_the_transaction_keeps_no_references():
     """Repeated calls that leave vLLM's state as it was (a decode that needs no block; a
     decode that needs one and is rolled back) must not leave references behind (after a
     collection: a failed call's traceback is a reference cycle)."""
-    activate(path)
+    activate()
     m, req = running_manager()
     txn = fast(m)
     rid = req.request_id
@@ -230,7 +186,7 @@ def test_the_transaction_keeps_no_references(path):
     while req.num_computed_tokens % 16 != 15:                   # next token: a new block
         req.num_computed_tokens += 1
         req.append_output_token_ids(5)
-    faults.reset(FaultSpec(every=1))
+    arm(FaultSpec(every=1))
     assert txn(req, 2) is None                                  # warm: logs once
     before, state_before = counts(), state(m)
     for _ in range(100):
@@ -240,16 +196,4 @@ def test_the_transaction_keeps_no_references(path):
     assert after[1] - before[1] < 20       # the id string (vLLM keys on it): none per call
     assert state_diff(state_before, state(m)) == []
     assert report.snapshot()["rollback"] == {"InjectedFault": 101}
-    assert rollback._log is None
-
-
-@pytest.mark.skipif(rollback._txn is None, reason="the C accelerator is not built")
-@pytest.mark.parametrize("ops,why", [
-    (((0, {}, 1),), "RTB op"), (((1, [], None),), "GET op"), (((2, {}, None),), "IN op"),
-    (((3, object(), 5),), "LENATTR op"), (((0, {}, 0), (4, 1, 2)), "WINDOW op"),
-    (((9, None, None),), "unknown record op"), (((1, {}),), "3-tuple")])
-def test_the_c_transaction_refuses_a_malformed_recipe(ops, why):
-    with pytest.raises((TypeError, ValueError), match=why):
-        rollback._txn.Transaction(fn=print, fallback=print, recover=print, disable=print,
-                                  plan=None, manager=None, globals={}, disabled=[],
-                                  tripped=set(), ops=ops)
+    assert m.block_pool.get_new_blocks.__self__.log is None

@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+
 from kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
 from vllm_kvguard import activation, report  # noqa: E402

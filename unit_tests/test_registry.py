@@ -9,7 +9,9 @@ import pytest
 from vllm_kvguard import activation, manager
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.patches import BY_NAME
-from vllm_kvguard.registry import HostCall, Patch, Target, hooked, is_wrapped
+from vllm_kvguard.hostcall import HostCall, hooked
+from vllm_kvguard.registry import (ContainerItem, InstanceAttr, ModuleGlobal, Patch, Private,
+                                   Target, is_wrapped)
 
 ON = {"KVGUARD": "1"}
 
@@ -255,3 +257,72 @@ def test_every_patch_exports_its_counters_on_vllms_registry():
     assert samples.get(key) == 1.0
     activation.deactivate()
     assert metrics._state["collector"] is None
+
+
+# ------------------------------------------------------------------------------ run-time changes
+def _runtime_patch(monkeypatch):
+    mod = types.ModuleType("kvg_rt")
+    exec("class Owner:\n"
+         "    def method(self):\n        return 'class'\n"
+         "    def __init__(self):\n        self._items = {'k': [1, 2]}\n"
+         "GLOBAL = 'original'\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, "kvg_rt", mod)
+    attr = InstanceAttr("kvg_rt", "Owner", "method", "test")
+    glob = ModuleGlobal("kvg_rt", "GLOBAL", "test")
+    item = ContainerItem("kvg_rt", "Owner", "_items", "test")
+    patch = Patch(name="rt", summary="", vllm_versions=">=0", upstream=(), remove_when="",
+                  targets=[], changes=(attr, glob, item),
+                  uses=(Private("kvg_rt", "Owner", ("_items",)),))
+    return mod, patch, attr, glob, item
+
+
+def test_runtime_changes_are_listed_and_reverted_exactly(monkeypatch):
+    mod, patch, attr, glob, item = _runtime_patch(monkeypatch)
+    a, b = mod.Owner(), mod.Owner()
+    before = (dict(vars(a)), mod.GLOBAL, list(a._items["k"]))
+    patch.apply()
+    assert attr.set(a, lambda: "instance") and a.method() == "instance"
+    assert b.method() == "class" and attr.get(a) is not None and attr.get(b) is None
+    assert glob.replace("stand-in") and mod.GLOBAL == "stand-in"
+    assert glob.original() == "original"
+    gate = object()
+    item.insert(a, 1, gate, path=("k",))
+    assert a._items["k"] == [1, gate, 2]
+    kinds = sorted(kind for kind, _name, _obj in patch.inventory())
+    assert kinds == ["container item", "instance attribute", "module global"]
+    patch.revert()
+    assert (dict(vars(a)), mod.GLOBAL, list(a._items["k"])) == before
+    assert patch.inventory() == [] and a.method() == "class"
+
+
+def test_an_instance_value_not_ours_is_left_alone(monkeypatch):
+    mod, patch, attr, _glob, _item = _runtime_patch(monkeypatch)
+    a = mod.Owner()
+    a.method = theirs = lambda: "theirs"
+    patch.apply()
+    assert not attr.set(a, lambda: "ours") and a.method is theirs
+    patch.revert()
+    assert a.method is theirs
+
+
+def test_a_dead_object_leaves_the_ledger(monkeypatch):
+    import gc
+
+    mod, patch, attr, _glob, item = _runtime_patch(monkeypatch)
+    patch.apply()
+    a = mod.Owner()
+    attr.set(a, lambda: "x")
+    item.insert(a, 0, object(), path=("k",))
+    del a
+    gc.collect()
+    assert patch.inventory() == []
+    patch.revert()
+
+
+def test_drift_names_missing_change_sites_and_private_names(monkeypatch):
+    mod, patch, *_ = _runtime_patch(monkeypatch)
+    assert patch.drift() == []
+    del mod.GLOBAL
+    mod.Owner.__init__ = lambda self: None          # no _items any more
+    assert sorted(patch.drift()) == ["kvg_rt.GLOBAL", "kvg_rt.Owner._items",
+                                     "kvg_rt.Owner._items"]

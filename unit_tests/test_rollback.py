@@ -12,49 +12,41 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
-                         prefill, settle, state, state_diff)
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+
+from kv_fixtures import (attention_spec, free_ids, groups, hybrid_manager,  # noqa: E402
+                         make_manager, make_request, mamba_spec, prefill, settle, state,
+                         state_diff)
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes import faults, rollback  # noqa: E402
+from vllm_kvguard.fixes import rollback  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
+from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
 from vllm_kvguard.manager import register, unregister  # noqa: E402
-from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.patches import allocator  # noqa: E402
+from vllm_kvguard.patches import faults as fault_patch  # noqa: E402
 
 BS = 16
 
 
 NEVER = FaultSpec(every=1, after=10**12)
-_PATH = {"pure_python": "0"}
-
-
-@pytest.fixture(autouse=True, params=["accelerated", "pure-python"])
-def transaction_path(request):
-    """Every test here runs on both forms of the hot-path transaction: the C accelerator
-    (skipped when it is not built) and the generated Python function."""
-    if request.param == "accelerated" and rollback._txn is None:
-        pytest.skip("the C accelerator vllm_kvguard._txn is not built")
-    _PATH["pure_python"] = "1" if request.param == "pure-python" else "0"
-    yield request.param
-    _PATH["pure_python"] = "0"
 
 
 def activate(fix: bool = True):
     """The allocator fix (or none) plus the fault injector, disarmed."""
     activation.deactivate()
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator" if fix else "none",
-                         "KVGUARD_FAULTS": "every=1,after=1000000000000",
-                         "KVGUARD_PURE_PYTHON": _PATH["pure_python"]})
-    faults.reset(NEVER)
+                         "KVGUARD_FAULTS": "every=1,after=1000000000000"})
+    fault_patch.injector().reset(NEVER)
 
 
 def arm(nth: int) -> None:
     """Fail the ``nth`` ``BlockPool.get_new_blocks`` call from now on, once."""
-    faults.reset(FaultSpec(every=nth, limit=1))
+    fault_patch.injector().reset(FaultSpec(every=nth, limit=1))
 
 
 def fired() -> int:
-    return faults.schedule().fired
+    return fault_patch.injector().schedule.fired
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -286,41 +278,6 @@ def test_free_queue_order_is_restored_exactly():
     assert free_ids(m) == order
 
 
-@pytest.mark.parametrize("caching,nsb,mamba_first", [(True, 0, False), (True, 2, True),
-                                                     (False, 2, False)])
-def test_generated_fast_path_records_what_record_does(mocker, caching, nsb, mamba_first):
-    """The per-manager generated transaction (the hot path) captures exactly the state
-    the generic ``record`` does, for new and running requests."""
-    activate()
-    m = hybrid_manager(48, enable_caching=caching, nsb=nsb, mamba_first=mamba_first)
-    run = make_request("running", prompt(2, 40))
-    assert prefill(m, run, lookahead=2) is not None
-    assert rollback.is_fast_path(m.allocate_slots)
-    plan = rollback.plan_for(m)
-    seen = []
-    original = rollback._recover
-
-    def spy(plan_, rec, *args):
-        seen.append(rec)
-        return original(plan_, rec, *args)
-
-    mocker.patch.object(rollback, "_recover", side_effect=spy)
-    m.new_step_starts()
-    fresh = hitting_request("fresh")
-    expected = rollback.record(plan, fresh.request_id)
-    arm(1)
-    assert admit(m, fresh, lookahead=2) is None
-    assert seen.pop() == expected
-    for _ in range(40):                   # decode until a step needs a new block
-        m.new_step_starts()
-        expected = rollback.record(plan, run.request_id)
-        arm(1)
-        if decode(m, run, lookahead=2) is None:
-            assert fired() and seen.pop() == expected
-            return
-    pytest.fail("no decode step popped a block")
-
-
 def test_other_hookimpls_get_the_generic_path_and_still_roll_back():
     seen = []
 
@@ -338,8 +295,30 @@ def test_other_hookimpls_get_the_generic_path_and_still_roll_back():
         req = make_request("r", prompt(1, 40))
         arm(2)
         assert admit(m, req) is None                  # rolled back through pluggy
-        assert not rollback.is_fast_path(m.allocate_slots)
+        assert allocator.FAST_PATH.get(m) is None
     finally:
         unregister("test.observer")
     assert seen == ["r"]
     assert report.snapshot()["rollback"] == {"InjectedFault": 1}
+
+
+@pytest.mark.parametrize("n_mamba", [23])
+def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba):
+    """A hybrid with few attention layers splits into many KV-cache groups: 1 full
+    attention + 23 Mamba groups. The transaction has no group limit."""
+    specs = [attention_spec()] + [mamba_spec(mode="align") for _ in range(n_mamba)]
+    failing = ValueError("Cannot get 1 free blocks from the pool")
+    activate(fix=False)
+    plain = make_manager(specs, num_blocks=256, enable_caching=True)
+    mocker.patch.object(groups(plain)[-1], "allocate_new_blocks", side_effect=failing)
+    with pytest.raises(ValueError):               # vLLM alone: raises half-allocated
+        admit(plain, make_request("r", prompt(1, 40)))
+    assert any(g.req_to_blocks.get("r") for g in groups(plain)[:-1])
+    activate()
+    m = make_manager(specs, num_blocks=256, enable_caching=True)
+    assert len(groups(m)) == 1 + n_mamba
+    mocker.patch.object(groups(m)[-1], "allocate_new_blocks", side_effect=failing)
+    before = state(m)
+    assert admit(m, make_request("r", prompt(1, 40))) is None   # "no room now"
+    assert state_diff(before, state(m)) == []
+    assert report.snapshot()["rollback"] == {"ValueError": 1}

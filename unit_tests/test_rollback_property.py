@@ -23,17 +23,19 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+
 from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kv_fixtures import (groups, hybrid_manager, make_request, settle,  # noqa: E402
                          state, state_diff)
 
-from vllm_kvguard import activation, log, registry, report  # noqa: E402
-from vllm_kvguard.fixes import faults, rollback  # noqa: E402
+from vllm_kvguard import activation, hostcall, log, report  # noqa: E402
 from vllm_kvguard.fixes.audit import audit_manager  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
-from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
+from vllm_kvguard.patches import faults as fault_patch  # noqa: E402
 
 EXAMPLES = int(__import__("os").environ.get("KVGUARD_TEST_EXAMPLES", "500"))
 PHASES = ("add_local_computed_blocks", "allocate_external_computed_blocks",
@@ -98,7 +100,7 @@ class Harness:
         if fault is not None:
             kind, arg = fault
             if kind == "pool":
-                faults.reset(FaultSpec(every=arg, limit=1))
+                fault_patch.injector().reset(FaultSpec(every=arg, limit=1))
             else:
                 mgr = groups(self.m)[arg]
                 original = getattr(mgr, kind)
@@ -118,7 +120,7 @@ class Harness:
             out = self.m.allocate_slots(req, num_new, num_lookahead_tokens=self.sc["lookahead"],
                                         **kw)
             if fault is not None:
-                hit = bool(faults.schedule().fired) if armed is None else armed_mock.called
+                hit = bool(fault_patch.injector().schedule.fired) if armed is None else armed_mock.called
         except (InjectedFault, PhaseFault, ValueError, AssertionError) as exc:
             if self.fixed:
                 raise AssertionError(f"the fix let {type(exc).__name__}: {exc} escape") from exc
@@ -126,7 +128,7 @@ class Harness:
         finally:
             if armed is not None:
                 armed.stop()
-            faults.reset(NEVER)
+            fault_patch.injector().reset(NEVER)
         if hit:
             self.fault = None             # one fault per operation
             assert out is None, "a failed allocation must return None"
@@ -209,14 +211,13 @@ class Harness:
         assert self.m.block_pool.get_num_free_blocks() == self.start_free
 
 
-def run_scenario(sc, fixed: bool, pure_python: bool = False) -> int:
+def run_scenario(sc, fixed: bool) -> int:
     activation.deactivate()
     log.reset_once()
-    registry.reset_tripped()
+    hostcall.reset_tripped()
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator" if fixed else "none",
-                         "KVGUARD_FAULTS": "every=1,after=1000000000000",
-                         "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
-    faults.reset(NEVER)
+                         "KVGUARD_FAULTS": "every=1,after=1000000000000"})
+    fault_patch.injector().reset(NEVER)
     h = Harness(sc, fixed)
     for op in sc["ops"]:
         h.run_op(op)
@@ -229,14 +230,10 @@ PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
 
-@pytest.mark.parametrize("path", ["accelerated", "pure-python"])
 @PROPERTY
 @given(sc=scenarios())
-def test_allocation_is_transactional_under_random_faults(path, sc):
-    """Both forms of the transaction: the C accelerator (when built) and pure Python."""
-    if path == "accelerated" and rollback._txn is None:
-        pytest.skip("the C accelerator vllm_kvguard._txn is not built")
-    rolled_back = run_scenario(sc, fixed=True, pure_python=path == "pure-python")
+def test_allocation_is_transactional_under_random_faults(sc):
+    rolled_back = run_scenario(sc, fixed=True)
     event(f"rollbacks: {min(rolled_back, 3)}{'+' if rolled_back > 3 else ''}")
     event(f"prefix caching {'on' if sc['caching'] else 'off'}, lookahead {sc['lookahead']}")
 

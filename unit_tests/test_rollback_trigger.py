@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
+
 from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
                          state, state_diff)
 

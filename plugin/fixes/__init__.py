@@ -1,31 +1,5 @@
-"""The fixes: pluggy hookimpls, one module per concern. Patches register them on apply."""
-from vllm_kvguard.manager import register
+"""The fixes: they decide what to do; the patches in ``vllm_kvguard.patches`` install them.
 
-
-def register_allocator_fixes() -> None:
-    from vllm_kvguard.fixes import audit, liveness, rollback
-
-    register(rollback, "kvguard.rollback")
-    register(liveness, "kvguard.liveness")
-    register(audit, "kvguard.audit")
-
-
-def register_fault_injection() -> None:
-    from vllm_kvguard.fixes import faults
-
-    register(faults, "kvguard.faults")
-
-
-def register_warmup_fixes() -> None:
-    from vllm_kvguard.fixes import capacity, estimate, warmup_guard
-
-    register(estimate, "kvguard.estimate")
-    register(warmup_guard, "kvguard.warmup_guard")
-    register(capacity, "kvguard.capacity")
-
-
-def register_cudagraph_fixes() -> None:
-    from vllm_kvguard.fixes import coverage, fallbacks
-
-    register(coverage, "kvguard.coverage")
-    register(fallbacks, "kvguard.fallbacks")
+Each fix is a pluggy hookimpl object built by its patch's setup with the configuration it
+needs (from the ``Flags`` activation read) and the declared changes it may make.
+"""

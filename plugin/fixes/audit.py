@@ -209,19 +209,18 @@ def report_violations(result: AuditResult, where: str = "after schedule") -> Non
                  result.summary().split(";")[0])
 
 
-@hookimpl
-def kvguard_after_schedule(scheduler, output):
-    from vllm_kvguard.activation import flags
+class Audit:
+    """Audit mode as a hookimpl object (registered only with ``KVGUARD_AUDIT=1``)."""
 
-    if not flags().audit:
-        return
-    try:
-        result = audit_scheduler(scheduler)
-    except Exception as exc:           # fail open: the audit never takes the engine down
-        once(logging.ERROR, ("audit-internal", type(exc).__name__),
-             "vllm-kvguard: internal error in the audit (%s: %s); audit skipped",
-             type(exc).__name__, exc)
-        return
-    report.count("audit", "steps")
-    if not result.ok:
-        report_violations(result)
+    @hookimpl
+    def kvguard_after_schedule(self, scheduler, output):
+        try:
+            result = audit_scheduler(scheduler)
+        except Exception as exc:       # fail open: the audit never takes the engine down
+            once(logging.ERROR, ("audit-internal", type(exc).__name__),
+                 "vllm-kvguard: internal error in the audit (%s: %s); audit skipped",
+                 type(exc).__name__, exc)
+            return
+        report.count("audit", "steps")
+        if not result.ok:
+            report_violations(result)

@@ -37,33 +37,22 @@ class FaultSchedule:
             return hit
 
 
-_schedule: FaultSchedule | None = None
+class Injector:
+    """The fault injector as a hookimpl object, built with its schedule."""
 
-
-def schedule() -> FaultSchedule | None:
-    global _schedule
-    if _schedule is None:
-        from vllm_kvguard.activation import flags
-
-        spec = flags().faults
-        if spec is None:
-            return None
-        _schedule = FaultSchedule(spec)
+    def __init__(self, spec: FaultSpec):
+        self.schedule = FaultSchedule(spec)
         once(logging.WARNING, ("faults-on",),
              "vllm-kvguard: TEST-ONLY allocator fault injection is ON (KVGUARD_FAULTS: %s); "
              "BlockPool.get_new_blocks will fail on purpose", spec)
-    return _schedule
 
+    def reset(self, spec: FaultSpec) -> None:
+        self.schedule = FaultSchedule(spec)
 
-def reset(spec: FaultSpec | None = None) -> None:
-    global _schedule
-    _schedule = FaultSchedule(spec) if spec else None
-
-
-@hookimpl
-def kvguard_inject_fault(pool, num_blocks):
-    sched = schedule()
-    if sched is not None and sched.should_fail():
-        return InjectedFault(f"injected: Cannot get {num_blocks} free blocks from the pool "
-                             f"(vllm-kvguard fault #{sched.fired}, call {sched.calls})")
-    return None
+    @hookimpl
+    def kvguard_inject_fault(self, pool, num_blocks):
+        sched = self.schedule
+        if sched.should_fail():
+            return InjectedFault(f"injected: Cannot get {num_blocks} free blocks from the "
+                                 f"pool (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
+        return None

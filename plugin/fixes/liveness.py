@@ -129,28 +129,32 @@ def _request_error(message: str):
     return RequestError(code="kv_cache_capacity", message=message)
 
 
-@hookimpl
-def kvguard_after_schedule(scheduler, output):
-    from vllm_kvguard.activation import flags
+class Liveness:
+    """The guard as a hookimpl object; ``steps``: stalled steps before it acts."""
 
-    try:
-        head = _head(scheduler) if _stuck(scheduler, output) else None
-        if head is None:                # progress (the every-step case): nothing to watch
-            if _watches:
-                _watches.pop(scheduler, None)
-            return
-        watch = _watches.get(scheduler)
-        if watch is None:
-            watch = _watches[scheduler] = _Watch()
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        if head is not watch.head or free != watch.free:
-            watch.head, watch.free, watch.steps = head, free, 1
-        else:
-            watch.steps += 1
-        if watch.steps >= flags().liveness_steps:
-            _finish(scheduler, head, watch.steps)
-            watch.head, watch.free, watch.steps = None, None, 0
-    except Exception as exc:            # fail open: the guard never takes the engine down
-        once(logging.ERROR, ("liveness-internal", type(exc).__name__),
-             "vllm-kvguard: internal error in the liveness guard (%s: %s); it is skipped",
-             type(exc).__name__, exc)
+    def __init__(self, steps: int = 64):
+        self.steps = steps
+
+    @hookimpl
+    def kvguard_after_schedule(self, scheduler, output):
+        try:
+            head = _head(scheduler) if _stuck(scheduler, output) else None
+            if head is None:            # progress (the every-step case): nothing to watch
+                if _watches:
+                    _watches.pop(scheduler, None)
+                return
+            watch = _watches.get(scheduler)
+            if watch is None:
+                watch = _watches[scheduler] = _Watch()
+            free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            if head is not watch.head or free != watch.free:
+                watch.head, watch.free, watch.steps = head, free, 1
+            else:
+                watch.steps += 1
+            if watch.steps >= self.steps:
+                _finish(scheduler, head, watch.steps)
+                watch.head, watch.free, watch.steps = None, None, 0
+        except Exception as exc:        # fail open: the guard never takes the engine down
+            once(logging.ERROR, ("liveness-internal", type(exc).__name__),
+                 "vllm-kvguard: internal error in the liveness guard (%s: %s); it is skipped",
+                 type(exc).__name__, exc)
