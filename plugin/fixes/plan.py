@@ -73,17 +73,17 @@ class Plan:
         (member of ``_allocated_block_reqs``, pending offload count, the last
         ``num_speculative_blocks`` table entries: the ones align mode rewrites in place),
         ``new_block_ids`` lengths)."""
-        lists = tuple(map(_dict_get, self.rtbs, repeat(rid)))
-        lens = tuple(-1 if b is None else len(b) for b in lists)
-        vals = tuple(map(_dict_get, self.dicts, repeat(rid)))
-        align = ()
+        lists = list(map(_dict_get, self.rtbs, repeat(rid)))
+        lens = [-1 if b is None else len(b) for b in lists]
+        vals = [d.get(rid) if d else None for d in self.dicts]     # most are often empty
+        align = ids = ()
         if self.align:
-            align = tuple((rid in alloc,
-                           len(m._pending_boundary_state_offloads) if offl else 0,
-                           tuple(lists[i][max(lens[i] - nsb, 0):lens[i]])
-                           if nsb and lens[i] > 0 else ())
-                          for i, m, alloc, nsb, offl in self.align)
-        ids = tuple(len(m.new_block_ids) for m in self.record_ids) if self.record_ids else ()
+            align = [(rid in alloc, len(m._pending_boundary_state_offloads) if offl else 0,
+                      tuple(lists[i][max(lens[i] - nsb, 0):lens[i]]) if nsb and lens[i] > 0
+                      else ())
+                     for i, m, alloc, nsb, offl in self.align]
+        if self.record_ids:
+            ids = [len(m.new_block_ids) for m in self.record_ids]
         return lists, lens, vals, align, ids
 
 
