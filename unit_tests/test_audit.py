@@ -10,11 +10,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_fixtures import (groups, hybrid_manager, make_request, make_scheduler,  # noqa: E402
-                         prefill, scheduler_step)
-
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes.audit import audit_manager, audit_scheduler  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_request,  # noqa: E402
+                                              make_scheduler, prefill, scheduler_step)
 
 
 def prompt(seed: int, n: int) -> list[int]:

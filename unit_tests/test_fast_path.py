@@ -13,8 +13,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import wrapt  # noqa: E402
-from kv_fixtures import (hybrid_manager, make_request, make_scheduler, prefill,  # noqa: E402
-                         scheduler_step, state, state_diff)
 
 from vllm_kvguard import activation, registry, report  # noqa: E402
 from vllm_kvguard.fixes import faults, rollback  # noqa: E402
@@ -23,6 +21,9 @@ from vllm_kvguard.hookspecs import hookimpl  # noqa: E402
 from vllm_kvguard.manager import register, unregister  # noqa: E402
 from vllm_kvguard.patches import allocator  # noqa: E402
 from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (hybrid_manager, make_request,  # noqa: E402
+                                              make_scheduler, prefill, scheduler_step, state,
+                                              state_diff)
 
 pytestmark = pytest.mark.requires_patch("allocator")
 PATHS = ["accelerated", "pure-python"]

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
-
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (make_request, make_scheduler,  # noqa: E402
+                                              scheduler_step)
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 STEPS = 8
 

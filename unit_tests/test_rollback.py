@@ -12,14 +12,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
-                         prefill, settle, state, state_diff)
-
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes import faults, rollback  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.manager import register, unregister  # noqa: E402
 from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (free_ids, groups, hybrid_manager,  # noqa: E402
+                                              make_request, prefill, settle, state, state_diff)
 
 BS = 16
 

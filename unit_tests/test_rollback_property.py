@@ -26,14 +26,13 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kv_fixtures import (groups, hybrid_manager, make_request, settle,  # noqa: E402
-                         state, state_diff)
-
 from vllm_kvguard import activation, log, registry, report  # noqa: E402
 from vllm_kvguard.fixes import faults, rollback  # noqa: E402
 from vllm_kvguard.fixes.audit import audit_manager  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.registry import InjectedFault  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_request,  # noqa: E402
+                                              settle, state, state_diff)
 
 EXAMPLES = int(__import__("os").environ.get("KVGUARD_TEST_EXAMPLES", "500"))
 PHASES = ("add_local_computed_blocks", "allocate_external_computed_blocks",
