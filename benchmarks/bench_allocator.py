@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit_tests"))
-
-from kv_fixtures import hybrid_manager, make_request  # noqa: E402
-
-from vllm_kvguard import activation  # noqa: E402
-from vllm_kvguard.fixes import rollback  # noqa: E402
+from vllm_kvguard import activation
+from vllm_kvguard.fixes import rollback
+from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request
 
 BS = 16
 FAMILIES = [[(f * 7919 + i * 31) % 997 + 3 for i in range(512)] for f in range(4)]

@@ -1,5 +1,5 @@
 """kvguard-ab end to end on real engines: a short two-scenario A/B (baseline + alloc-faults),
-run as the user runs it (``python -m vllm_kvguard.ab``), checked through its JSON file."""
+run as the user runs it (``python -m vllm_kvguard.tools.ab``), checked through its JSON file."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.engine]
 def ab_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ab")
     env = {**os.environ, "VLLM_CACHE_ROOT": str(out / "vllm-cache")}
-    cmd = [sys.executable, "-m", "vllm_kvguard.ab", "--scenario", "baseline", "alloc-faults",
+    cmd = [sys.executable, "-m", "vllm_kvguard.tools.ab", "--scenario", "baseline", "alloc-faults",
            "--repeat", "1", "--rounds", "1", "--warmup", "1", "--no-microbench",
            # a single pair on a shared CI machine says nothing about a few percent:
            # this test checks the plumbing, the throughput gate has its unit tests

@@ -27,7 +27,7 @@ def main():
     from vllm import LLM
     from vllm_kvguard import activation
     from vllm_kvguard.fixes import capacity
-    from vllm_kvguard.tiny_models import engine_kwargs, write_model
+    from vllm_kvguard.tools.tiny_models import engine_kwargs, write_model
 
     mml, blocks, nreq = (int(a) for a in sys.argv[1:4])
     model = write_model("nemotron_h", os.path.join(sys.argv[4], "model"))

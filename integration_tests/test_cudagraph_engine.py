@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from vllm_kvguard.workload import run_in_subprocess
+from vllm_kvguard.tools.harness import run_in_subprocess
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
           "prompt_lookup_min": 2}
@@ -55,7 +55,7 @@ def _get(url: str) -> str:
 @pytest.mark.timeout(420)
 def test_openai_server_metrics_show_the_counters(tmp_path):
     from vllm_kvguard.fixes.fallbacks import REASONS
-    from vllm_kvguard.tiny_models import write_model
+    from vllm_kvguard.tools.tiny_models import write_model
 
     port = _free_port()
     model = write_model("llama", tmp_path / "llama")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvguard.workload import run_in_subprocess
+from vllm_kvguard.tools.harness import run_in_subprocess
 
 PROBE = Path(__file__).parent / "scripts" / "plugin_probe.py"
 ALLOCATOR_TARGETS = {"vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",

@@ -4,7 +4,7 @@
     python3 scripts/ab.py [kvguard-ab arguments]
 
 Builds (or reuses) the default pin's cached venv (``scripts/venvs.py``), then runs
-``python -m vllm_kvguard.ab`` there with the given arguments. Standard library only.
+``python -m vllm_kvguard.tools.ab`` there with the given arguments. Standard library only.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
     venvs.ensure(pin)
     python = venvs.venv_dir(pin) / "bin" / "python"
-    os.execv(str(python), [str(python), "-m", "vllm_kvguard.ab", *argv])
+    os.execv(str(python), [str(python), "-m", "vllm_kvguard.tools.ab", *argv])
 
 
 if __name__ == "__main__":

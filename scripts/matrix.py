@@ -35,11 +35,13 @@ import venvs as pinned  # noqa: E402  (scripts/venvs.py)
 
 
 def _load_truth_table():
-    """plugin/truth_table.py by path: its result readers are stdlib-only (one JUnit reader)."""
+    """plugin/tools/truth_table.py by path: its result readers are stdlib-only (one JUnit
+    reader)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "_kvguard_truth_table", Path(__file__).resolve().parent.parent / "plugin" / "truth_table.py")
+        "_kvguard_truth_table",
+        Path(__file__).resolve().parent.parent / "plugin" / "tools" / "truth_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -123,7 +125,7 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
                        "smoke" if suite == "smoke" else None, args.pytest), env)
         rec["integration"]["suite"] = suite
     t0 = time.monotonic()
-    probe = subprocess.run([py, "-m", "vllm_kvguard.truth_table", "probe",
+    probe = subprocess.run([py, "-m", "vllm_kvguard.tools.truth_table", "probe",
                             "--out", str(d / "probe.json")], cwd=REPO, env=env,
                            stdin=subprocess.DEVNULL, capture_output=True, text=True)
     rec["probe"] = {"ok": probe.returncode == 0, "seconds": round(time.monotonic() - t0, 1)}
@@ -173,7 +175,8 @@ def totals(out: Path, recs: list[dict]) -> dict[str, int]:
 
 
 def print_table(python: str, out: Path) -> int:
-    return subprocess.call([python, "-m", "vllm_kvguard.truth_table", "--results", str(out)],
+    return subprocess.call([python, "-m", "vllm_kvguard.tools.truth_table", "--results",
+                            str(out)],
                            cwd=REPO, stdin=subprocess.DEVNULL)
 
 
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     table_python = next((r["venv"]["path"] + "/bin/python" for r in recs
                          if r.get("venv", {}).get("ok")), None)
     if table_python:
-        print("\n==== truth table (python -m vllm_kvguard.truth_table)", flush=True)
+        print("\n==== truth table (python -m vllm_kvguard.tools.truth_table)", flush=True)
         print_table(table_python, out)
     ok = all(r["ok"] for r in recs)
     t = totals(out, recs)

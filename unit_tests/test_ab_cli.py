@@ -5,16 +5,18 @@ import signal
 
 import pytest
 
-from ab_samples import scenario, side
-from vllm_kvguard import ab
+from vllm_kvguard.testing.ab_samples import scenario, side
+from vllm_kvguard.tools import ab, abmicro, abrun
+from vllm_kvguard.tools.abscenarios import (MIN_AUTO_ROUNDS, SCENARIOS, scenario_envs,
+                                            scenario_spec, workload_key)
 
 
 @pytest.fixture
 def no_engine(mocker):
     """Any attempt to start an engine or a benchmark fails the test."""
     mocker.patch.object(ab, "microbench", side_effect=AssertionError("benchmark started"))
-    mocker.patch.object(ab, "WorkloadProcess", side_effect=AssertionError("engine started"))
-    mocker.patch.object(ab, "run_in_subprocess", side_effect=AssertionError("engine started"))
+    mocker.patch.object(abrun, "WorkloadProcess", side_effect=AssertionError("engine started"))
+    mocker.patch.object(abrun, "run_in_subprocess", side_effect=AssertionError("engine started"))
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -69,7 +71,7 @@ def test_engine_settings_override_every_scenario(tmp_path):
     assert s["overrides"] == {"max_num_seqs": 4, "enforce_eager": False,
                               "speculative_config": None, "swap_space": 0,
                               "kv_cache_dtype": "fp8", "load_format": "auto"}
-    spec = ab.scenario_spec(ab.SCENARIOS["coverage"], s)
+    spec = scenario_spec(SCENARIOS["coverage"], s)
     assert spec["model"] == str(tmp_path.resolve())
     assert spec["engine"]["max_num_seqs"] == 4 and spec["engine"]["speculative_config"] is None
     assert "enforce_eager" not in spec["gpu_engine"]       # the user's choice wins on GPU
@@ -78,43 +80,43 @@ def test_engine_settings_override_every_scenario(tmp_path):
 
 def test_embedded_models_by_default():
     s = _settings()
-    assert ab.scenario_spec(ab.SCENARIOS["hybrid-spec"], s)["model"] == "nemotron_h"
-    assert ab.scenario_spec(ab.SCENARIOS["baseline"], s)["model"] == "llama"
+    assert scenario_spec(SCENARIOS["hybrid-spec"], s)["model"] == "nemotron_h"
+    assert scenario_spec(SCENARIOS["baseline"], s)["model"] == "llama"
     assert "load_format" not in s["overrides"]
 
 
 def test_kv_pressure_pool_holds_one_max_len_request_but_not_the_load():
-    spec = ab.scenario_spec(ab.SCENARIOS["kv-pressure"], _settings())
+    spec = scenario_spec(SCENARIOS["kv-pressure"], _settings())
     eng = spec["engine"]
     per_request = -(-eng["max_model_len"] // eng["block_size"])
     assert per_request < eng["num_gpu_blocks_override"] < 8 * per_request
-    user = ab.scenario_spec(ab.SCENARIOS["kv-pressure"],
-                            _settings("--num-gpu-blocks-override", "99"))
+    user = scenario_spec(SCENARIOS["kv-pressure"],
+                         _settings("--num-gpu-blocks-override", "99"))
     assert user["engine"]["num_gpu_blocks_override"] == 99
 
 
 def test_alloc_faults_a_is_the_injector_alone_b_adds_the_fixes():
-    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["alloc-faults"],
-                                          _settings("--faults", "every=5", "--threads", "0"))
+    env_a, env_b, _, _ = scenario_envs(SCENARIOS["alloc-faults"],
+                                       _settings("--faults", "every=5", "--threads", "0"))
     assert env_a == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5", "KVGUARD_PATCHES": "none"}
     assert env_b == {"KVGUARD": "1", "KVGUARD_FAULTS": "every=5"}
-    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings("--threads", "0"))
+    env_a, env_b, _, _ = scenario_envs(SCENARIOS["baseline"], _settings("--threads", "0"))
     assert env_a == {} and env_b == {"KVGUARD": "1"}
 
 
 def test_self_check_runs_the_plugin_off_on_both_sides():
-    env_a, env_b, _, label_b = ab.scenario_envs(ab.SCENARIOS["self-check"], _settings())
+    env_a, env_b, _, label_b = scenario_envs(SCENARIOS["self-check"], _settings())
     assert env_a == env_b and "KVGUARD" not in env_b and label_b == "off (A/A)"
 
 
 def test_threads_are_the_same_on_both_sides(mocker):
     mocker.patch.object(ab, "cpu_build_of_vllm", return_value=True)
-    env_a, env_b, _, _ = ab.scenario_envs(ab.SCENARIOS["baseline"], _settings())
+    env_a, env_b, _, _ = scenario_envs(SCENARIOS["baseline"], _settings())
     one = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert env_a == one and env_b == {**one, "KVGUARD": "1"}
     assert _settings("--threads", "2")["thread_env"]["OMP_NUM_THREADS"] == "2"
     # both sides run the same spec, pinned to the same CPU(s)
-    spec = ab.scenario_spec(ab.SCENARIOS["baseline"], _settings())
+    spec = scenario_spec(SCENARIOS["baseline"], _settings())
     assert spec["cpus"] == sorted(os.sched_getaffinity(0))[-1:]
     assert _settings("--threads", "0")["cpus"] is None
     mocker.patch.object(ab, "cpu_build_of_vllm", return_value=False)
@@ -123,33 +125,32 @@ def test_threads_are_the_same_on_both_sides(mocker):
 
 def test_baseline_and_alloc_faults_share_a_workload_so_a_clean_run_is_the_reference():
     s = _settings()
-    key = ab.workload_key(ab.scenario_spec(ab.SCENARIOS["baseline"], s))
-    assert key == ab.workload_key(ab.scenario_spec(ab.SCENARIOS["alloc-faults"], s))
-    assert key == ab.workload_key({**ab.scenario_spec(ab.SCENARIOS["baseline"], s),
-                                   "rounds": 9})
-    assert key != ab.workload_key(ab.scenario_spec(ab.SCENARIOS["kv-pressure"], s))
+    key = workload_key(scenario_spec(SCENARIOS["baseline"], s))
+    assert key == workload_key(scenario_spec(SCENARIOS["alloc-faults"], s))
+    assert key == workload_key({**scenario_spec(SCENARIOS["baseline"], s), "rounds": 9})
+    assert key != workload_key(scenario_spec(SCENARIOS["kv-pressure"], s))
 
 
 def test_calibrate_rounds_to_the_sample_duration():
-    a, b = ab.Side("A", "off", {}), ab.Side("B", "on", {})
+    a, b = abrun.Side("A", "off", {}), abrun.Side("B", "on", {})
     a.warmup_s, b.warmup_s = [0.5, 0.1], [0.4, 0.2]
-    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 10
-    assert ab.calibrate({"rounds": 3, "sample_seconds": 1.0}, [a, b]) == 3
+    assert abrun.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == 10
+    assert abrun.calibrate({"rounds": 3, "sample_seconds": 1.0}, [a, b]) == 3
     a.warmup_s = [2.0]                           # slow rounds: still a few per sample
-    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a]) == ab.MIN_AUTO_ROUNDS
+    assert abrun.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a]) == MIN_AUTO_ROUNDS
     b.warmup_s, a.warmup_s = [], []
-    assert ab.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == ab.MIN_AUTO_ROUNDS
+    assert abrun.calibrate({"rounds": "auto", "sample_seconds": 1.0}, [a, b]) == MIN_AUTO_ROUNDS
 
 
 def test_slow_scenarios_ask_for_more_rounds():
-    a = ab.Side("A", "off", {})
+    a = abrun.Side("A", "off", {})
     a.warmup_s = [2.0]
     auto = {"rounds": "auto", "sample_seconds": 1.0}
-    assert ab.calibrate(auto, [a], floor=6) == 6
-    assert ab.calibrate(auto, [a], floor=1) == ab.MIN_AUTO_ROUNDS     # never below the minimum
-    assert ab.calibrate({"rounds": 2, "sample_seconds": 1.0}, [a], floor=6) == 2  # explicit wins
-    assert ab.SCENARIOS["hybrid-spec"].min_rounds > ab.MIN_AUTO_ROUNDS
-    assert ab.SCENARIOS["coverage"].min_rounds > ab.MIN_AUTO_ROUNDS
+    assert abrun.calibrate(auto, [a], floor=6) == 6
+    assert abrun.calibrate(auto, [a], floor=1) == MIN_AUTO_ROUNDS     # never below the minimum
+    assert abrun.calibrate({"rounds": 2, "sample_seconds": 1.0}, [a], floor=6) == 2  # explicit wins
+    assert SCENARIOS["hybrid-spec"].min_rounds > MIN_AUTO_ROUNDS
+    assert SCENARIOS["coverage"].min_rounds > MIN_AUTO_ROUNDS
 
 
 @pytest.fixture
@@ -202,9 +203,14 @@ def test_sigterm_stops_like_ctrl_c_and_restores_the_handlers(fake_run, tmp_path)
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_microbench_scripts_are_found_in_the_source_checkout():
+    for name in abmicro.MICROBENCH:
+        assert (abmicro.BENCH_DIR / f"bench_{name}.py").is_file()
+
+
 def test_microbench_absent_is_na(tmp_path, monkeypatch):
-    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
-    res = ab.microbench("allocator", 10)
+    monkeypatch.setattr(abmicro, "BENCH_DIR", tmp_path)
+    res = abmicro.microbench("allocator", 10)
     assert res["ratio"] is None and "bench_allocator.py not present" in res["detail"]
 
 
@@ -216,8 +222,8 @@ def _fake_bench(tmp_path, name, text):
 def test_microbench_reads_the_allocator_summary_line(tmp_path, monkeypatch):
     _fake_bench(tmp_path, "allocator", "lookahead 2: ...\nallocator patch throughput ratio "
                 "0.962 (target >= 0.95, stretch 0.98): meets the target")
-    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
-    res = ab.microbench("allocator", 60)
+    monkeypatch.setattr(abmicro, "BENCH_DIR", tmp_path)
+    res = abmicro.microbench("allocator", 60)
     assert res["ratio"] == 0.962 and "meets the target" in res["detail"]
 
 
@@ -229,22 +235,22 @@ def test_microbench_dispatch_reports_the_worst_case_with_a_target(tmp_path, monk
         "(+826.34% fastest)",
         "  V2 uniform decode, graphed (FULL, 100x4)     361 ns      369 ns    +0.90%  "
         "( +1.04% fastest)  OK"]))
-    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
-    res = ab.microbench("dispatch", 60)
+    monkeypatch.setattr(abmicro, "BENCH_DIR", tmp_path)
+    res = abmicro.microbench("dispatch", 60)
     assert res["ratio"] == pytest.approx(1.023)
     assert res["detail"].startswith("V1 uniform decode, graphed")
 
 
 def test_microbench_without_its_summary_is_na(tmp_path, monkeypatch):
     _fake_bench(tmp_path, "allocator", "something else")
-    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
-    res = ab.microbench("allocator", 60)
+    monkeypatch.setattr(abmicro, "BENCH_DIR", tmp_path)
+    res = abmicro.microbench("allocator", 60)
     assert res["ratio"] is None and "no summary line" in res["detail"]
 
 
 def _run(key="B", *, outputs=((5, 6),), sample=(0.1, 0.2), died=False, counters=None,
          engine_s=2.0, held=0):
-    side = ab.Side(key, "on", {"KVGUARD": "1"})
+    side = abrun.Side(key, "on", {"KVGUARD": "1"})
     side.ready = {"ok": True, "engine_s": engine_s, "import_s": 6.0}
     side.sample = None if died else list(sample)
     side.died = died
@@ -263,7 +269,7 @@ def _run(key="B", *, outputs=((5, 6),), sample=(0.1, 0.2), died=False, counters=
 def test_side_summary_sums_requests_and_counters_over_pairs():
     runs = [_run(counters={"rollback": {"x": 2}}, engine_s=2.0),
             _run(counters={"rollback": {"x": 3}}, engine_s=4.0, sample=(0.5, 0.25))]
-    s = ab.side_summary(runs, repeat=2)
+    s = abrun.side_summary(runs, repeat=2)
     assert s["totals"]["completed"] == 16 and s["faults_injected"] == 6
     assert s["counters"] == {"rollback": {"x": 5}}
     assert s["tok_s"] == [640.0, 256.0]                 # 64 tokens / fastest round
@@ -271,14 +277,14 @@ def test_side_summary_sums_requests_and_counters_over_pairs():
 
 
 def test_side_summary_flags_outputs_that_differ_between_process_pairs():
-    s = ab.side_summary([_run(), _run(outputs=((5, 7),))], repeat=2)
+    s = abrun.side_summary([_run(), _run(outputs=((5, 7),))], repeat=2)
     assert s["outputs"] == [[5, 6]] and not s["outputs_consistent"]
 
 
 def test_side_summary_of_a_side_that_died_and_was_not_restarted():
     dead = _run("A", died=True)
     assert dead.failed
-    s = ab.side_summary([dead], repeat=3)
+    s = abrun.side_summary([dead], repeat=3)
     assert s["engine_died"] and s["tok_s"] == [None, None, None]
     assert s["held_blocks"] is None and s["outputs"] is None
 
@@ -286,4 +292,4 @@ def test_side_summary_of_a_side_that_died_and_was_not_restarted():
 def test_steps_for_counts_every_progress_advance():
     settings = _settings("--scenario", "baseline", "kv-pressure", "--repeat", "2")
     settings["microbench"] = True
-    assert ab.steps_for(settings) == 2 * 2 * 8 + 2
+    assert abrun.steps_for(settings) == 2 * 2 * 8 + 2

@@ -3,8 +3,8 @@ import json
 import struct
 import zlib
 
-from ab_samples import report, scenario, side
-from vllm_kvguard import abreport
+from vllm_kvguard.testing.ab_samples import report, scenario, side
+from vllm_kvguard.tools import abreport
 
 
 def _rows(text):

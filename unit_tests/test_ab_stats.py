@@ -1,9 +1,9 @@
-"""kvguard-ab statistics, parity and checks (vllm_kvguard.abstats)."""
+"""kvguard-ab statistics, parity and checks (vllm_kvguard.tools.abstats)."""
 import pytest
 
-from ab_samples import OUT, side
-from vllm_kvguard import abstats
-from vllm_kvguard.abstats import FAIL, NA, PASS
+from vllm_kvguard.testing.ab_samples import OUT, side
+from vllm_kvguard.tools import abstats
+from vllm_kvguard.tools.abstats import FAIL, NA, PASS
 
 
 def test_summarize_median_range_and_spread():

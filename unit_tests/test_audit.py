@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
-from kv_fixtures import (groups, hybrid_manager, make_request, make_scheduler,  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_request, make_scheduler,  # noqa: E402
                          prefill, scheduler_step)
 
 from vllm_kvguard import activation, report  # noqa: E402

@@ -9,15 +9,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
-from kv_fixtures import used_blocks  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_estimate_parity import (allocate, held, make_manager, make_request,  # noqa: E402
-                                  spec_chunked, spec_class, spec_full, spec_mamba, spec_swa)
 
 from vllm_kvguard.fixes import capacity  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager,  # noqa: E402
+                                                    make_request, spec_chunked, spec_class,
+                                                    spec_full, spec_mamba, spec_swa)
+from vllm_kvguard.testing.kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import used_blocks  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 
 def make_config(*, mml: int, k: int = 0, lookahead: int | None = None, max_num_seqs: int = 256,
@@ -129,7 +130,7 @@ def test_windowed_peak_covers_every_prompt_length(kind, bs, mml, window, data):
 
 
 def test_mamba_full_decode_warning_names_the_numbers(kvguard_log):
-    """vllm-internals.md §B.4: 256 sequences, 257 blocks, Mamba align with 3 speculative
+    """256 sequences, 257 blocks, Mamba align with 3 speculative
     blocks: vLLM's check passes, but at most 51 decodes fit (Mamba alone: 256 // 5)."""
     cfg = make_config(mml=4096, k=3, mode="align", max_num_seqs=256, full_graphs=True)
     kvc = make_kv_cache_config([spec_mamba(16, "align", 3)], 257)

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard.fixes import coverage  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
-
-from cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
+from vllm_kvguard.testing.cg_fixtures import (NGRAM3, plan,  # noqa: E402,F401
+                                              vllm_logging_configured)  # fixture: autouse
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 
 

@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 
 from vllm_kvguard import report  # noqa: E402
 from vllm_kvguard.fixes import coverage, fallbacks  # noqa: E402
-
-from cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
+from vllm_kvguard.testing.cg_fixtures import (NGRAM3, plan,  # noqa: E402,F401
+                                              vllm_logging_configured)  # fixture: autouse
 
 
 

@@ -12,7 +12,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 from vllm_kvguard import metrics, report  # noqa: E402
 from vllm_kvguard.fixes import fallbacks  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 
 @pytest.fixture

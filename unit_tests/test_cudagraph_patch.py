@@ -16,8 +16,8 @@ from vllm_kvguard import activation  # noqa: E402
 from vllm_kvguard.fixes import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
-
-from cg_fixtures import NGRAM3, vllm_logging_configured  # noqa: E402,F401  (fixture: autouse)
+from vllm_kvguard.testing.cg_fixtures import (NGRAM3,  # noqa: E402,F401
+                                              vllm_logging_configured)  # fixture: autouse
 
 
 def activate(**env):

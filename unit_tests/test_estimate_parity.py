@@ -6,13 +6,10 @@ prompt, prefill chunking, decode steps of 1..k+1 tokens) a request is driven thr
 ``len(req_to_blocks[rid])`` and its ``physical`` must equal the non-null blocks the
 request holds (which also equal what left the pool). >= 300 examples per spec type.
 
-Builders come from ``kv_fixtures`` (version-tolerant, real vLLM objects); the few here add
-what it lacks (DCP, spec-type skips). Tests skip with a reason where a spec type does not
-exist in the installed vLLM.
+Builders come from ``vllm_kvguard.testing`` (version-tolerant, real vLLM objects). Tests
+skip with a reason where a spec type does not exist in the installed vLLM.
 """
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -20,82 +17,14 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vllm.v1 import kv_cache_interface as kci  # noqa: E402
-
-from vllm_kvguard.fixes.estimate import Reserved, lookahead_tokens, reserved_blocks  # noqa: E402
+from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks  # noqa: E402
+from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager,  # noqa: E402
+                                                    make_request, spec_chunked, spec_class,
+                                                    spec_cross, spec_full, spec_mamba,
+                                                    spec_swa)
+from vllm_kvguard.testing.kv_fixtures import used_blocks  # noqa: E402
 
 EXAMPLES = 300
-
-
-# ------------------------------------------------------------------------------ builders
-# Shared builders of real vLLM objects live in kv_fixtures; only what it lacks is here.
-from kv_fixtures import accepted, attention_spec, kv_cache_config, mamba_spec  # noqa: E402
-from kv_fixtures import make_request as _make_request  # noqa: E402
-from kv_fixtures import used_blocks  # noqa: E402
-
-
-def spec_class(name: str):
-    cls = getattr(kci, name, None)
-    if cls is None:
-        pytest.skip(f"{name} does not exist in this vLLM")
-    return cls
-
-
-def spec_full(block_size: int):
-    return attention_spec(block_size)
-
-
-def spec_swa(block_size: int, window: int):
-    return attention_spec(block_size, "SlidingWindowSpec", sliding_window=window)
-
-
-def spec_chunked(block_size: int, chunk: int):
-    return attention_spec(block_size, "ChunkedLocalAttentionSpec", attention_chunk_size=chunk)
-
-
-def spec_cross(block_size: int):
-    return attention_spec(block_size, "CrossAttentionSpec")
-
-
-def spec_mamba(block_size: int, mode: str = "none", nsb: int = 0):
-    spec_class("MambaSpec")
-    return mamba_spec(block_size, mode, nsb)
-
-
-make_kv_cache_config = kv_cache_config
-
-
-def make_manager(specs, num_blocks: int, max_model_len: int, *, dcp: int = 1,
-                 enable_caching: bool = False):
-    """A real KVCacheManager over ``specs`` (one group each), with a DCP size and the
-    scheduler's block granularity (LCM of the groups'), which kv_fixtures.make_manager
-    does not take."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    block_size = math.lcm(*(s.block_size for s in specs))
-    kwargs = dict(kv_cache_config=kv_cache_config(specs, num_blocks),
-                  max_model_len=max_model_len, scheduler_block_size=block_size,
-                  hash_block_size=block_size, max_in_flight_tokens=max_model_len,
-                  enable_caching=enable_caching, dcp_world_size=dcp)
-    return KVCacheManager(**accepted(KVCacheManager.__init__, kwargs))
-
-
-def make_request(rid: str, num_prompt_tokens: int):
-    return _make_request(rid, range(num_prompt_tokens), max_tokens=1 << 20)
-
-
-def allocate(manager, request, num_new_tokens: int, *, k: int = 0, encoder: int = 0):
-    kwargs = dict(num_lookahead_tokens=k)
-    if encoder:
-        kwargs["num_encoder_tokens"] = encoder
-    return manager.allocate_slots(request, num_new_tokens, **kwargs)
-
-
-def held(manager, rid: str, group: int = 0) -> Reserved:
-    blocks = manager.coordinator.single_type_managers[group].req_to_blocks.get(rid, [])
-    real = [b.block_id for b in blocks if not b.is_null]
-    assert len(real) == len(set(real)), "a block twice in one request"
-    return Reserved(len(blocks), len(real))
 
 
 # ------------------------------------------------------------------------------ the fuzz

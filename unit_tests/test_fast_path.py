@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
-from kv_fixtures import (hybrid_manager, make_request, prefill, state,  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (hybrid_manager, make_request, prefill, state,  # noqa: E402
                          state_diff)
 
 from vllm_kvguard import activation, hostcall, report  # noqa: E402

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 import vllm.v1.core.sched.scheduler  # noqa: E402,F401
-from kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.patches import ALL_PATCHES  # noqa: E402

@@ -11,10 +11,10 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
-from kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 STEPS = 8
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvguard import truth_table
 from vllm_kvguard.patches import ALL_PATCHES, BY_NAME
+from vllm_kvguard.tools import truth_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ def _run_pytest_recording(tmp_path, body: str, pin: str) -> Path:
 
 def test_recorded_defects_and_probe_make_the_table(tmp_path):
     results = _run_pytest_recording(tmp_path, """
-        from vllm_kvguard.truth_table import record_defect
+        from vllm_kvguard.tools.truth_table import record_defect
 
         def test_undercount_seen():
             record_defect("warmup", "vllm#51438", present=True, detail="1 of 4 blocks")

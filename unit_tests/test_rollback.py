@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
-from kv_fixtures import (attention_spec, free_ids, groups, hybrid_manager,  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (attention_spec, free_ids, groups, hybrid_manager,  # noqa: E402
                          make_manager, make_request, mamba_spec, prefill, settle, state,
                          state_diff)
 

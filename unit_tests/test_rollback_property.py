@@ -28,7 +28,7 @@ import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply 
 from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kv_fixtures import (groups, hybrid_manager, make_request, settle,  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_request, settle,  # noqa: E402
                          state, state_diff)
 
 from vllm_kvguard import activation, hostcall, log, report  # noqa: E402

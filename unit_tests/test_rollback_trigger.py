@@ -1,4 +1,4 @@
-"""vLLM's own natural trigger, reproduced on real objects (vllm-internals A.5, vllm#46892).
+"""vLLM's own natural trigger, reproduced on real objects (vllm#46892).
 
 ``MambaManager`` in align mode predicts one block too few for a new request with
 external (KV-connector) computed tokens: full attention + Mamba, block 16, 32 external +
@@ -16,11 +16,11 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
-from kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import (free_ids, groups, hybrid_manager, make_request,  # noqa: E402
                          state, state_diff)
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 EXTERNAL, NEW = 32, 8
 

@@ -1,7 +1,7 @@
 """The V2 warmup guard, driven through vLLM's REAL ``_warmup_kernels`` (``warmup_kernels`` on
 0.27.1) with a recording executor: fake ``worker_execute_model``/``worker_sample_tokens``
 that record the ``SchedulerOutput``s, and a minimal model-runner stand-in built from real
-KV-cache config and spec objects (MRV2 cannot run on CPU; vllm-internals.md §B.2).
+KV-cache config and spec objects (MRV2 cannot run on CPU).
 ``torch.accelerator.synchronize`` (GPU only) is mocked.
 """
 from __future__ import annotations
@@ -13,12 +13,11 @@ import pytest
 pytest.importorskip("vllm")
 W = pytest.importorskip("vllm.v1.worker.gpu.warmup")
 
-from kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
-from test_estimate_parity import spec_full, spec_mamba  # noqa: E402
-
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes.estimate import reserved_blocks  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.testing.estimate_fixtures import spec_full, spec_mamba  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 NEW_WARMUP = hasattr(W, "_reserved_block_count")      # 0.32+: the #51438 fix is in
 
@@ -146,7 +145,7 @@ def test_prefill_reserves_the_lookahead_tokens():
     """Full attention only, block 16, k=8: the warmup prefill request has 10 tokens and
     a real ``KVCacheManager`` admitting it with 8 lookahead tokens holds 2 blocks. 0.27.1's
     warmup sizes it from the tokens alone (1 block, vllm#50531); 0.32+ and the patch give 2."""
-    from kv_fixtures import groups, make_manager, make_request, prefill
+    from vllm_kvguard.testing.kv_fixtures import groups, make_manager, make_request, prefill
 
     k, mml, spec = 8, 256, spec_full(16)
     prompt_len = k + 2                                   # decode_query_len + 1
@@ -195,9 +194,9 @@ SWEEP = [(mode, k, mml, seqs) for mode in ("none", "align") for k in (1, 2, 3, 4
 
 
 def test_every_admitted_pool_stays_in_bounds():
-    """For every pool the engine's startup check admits (smallest .. +2) over the sweep of
-    vllm-internals.md §B.2, with the patch every warmup block id is < the pool size, and
-    requests are capped (not skipped) whenever one request fits."""
+    """For every pool the engine's startup check admits (smallest .. +2) over ``SWEEP``,
+    with the patch every warmup block id is < the pool size, and requests are capped (not
+    skipped) whenever one request fits."""
     patched()
     checked = 0
     for mode, k, mml, seqs in SWEEP:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.truth_table import record_defect  # noqa: E402
+from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 VOCAB = 64
 

@@ -25,7 +25,7 @@ if __name__ == "__main__":
     from vllm import LLM
 
     from vllm_kvguard.activation import unwrapped_loaded_targets, wrapped_targets
-    from vllm_kvguard.tiny_models import engine_kwargs, write_model
+    from vllm_kvguard.tools.tiny_models import engine_kwargs, write_model
 
     extra = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     llm = LLM(**engine_kwargs(write_model("llama"), **extra))

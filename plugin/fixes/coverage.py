@@ -792,7 +792,7 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
     from vllm.config import CompilationMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvguard.tiny_models import write_model
+    from vllm_kvguard.tools.tiny_models import write_model
 
     user_cc = dict(engine_kwargs.pop("compilation_config", None) or {})
     if model is None:

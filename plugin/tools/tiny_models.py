@@ -1,5 +1,7 @@
 """Tiny dummy-weight models embedded in the package (no download): a config.json is all
-vLLM needs with ``load_format="dummy"`` and ``skip_tokenizer_init=True``."""
+vLLM needs with ``load_format="dummy"`` and ``skip_tokenizer_init=True``. Tests, the A/B
+tool and the CUDA-graph coverage planner build real engines and configs from them on any
+machine, offline, in seconds."""
 from __future__ import annotations
 
 import json

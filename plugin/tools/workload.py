@@ -1,16 +1,18 @@
 """Run one tiny, deterministic workload on a real vLLM engine and report what happened.
 
-Used by the A/B tool and the integration tests, so both measure the same thing::
+The A/B tool and the integration tests both measure through this one runner, so they
+measure the same thing: fixed token-id prompts, greedy sampling, every request's outputs
+and finish reason, the pool's held blocks and audit after the run, and the plugin's own
+counters. It runs in a fresh child interpreter (:mod:`vllm_kvguard.tools.harness` starts
+it), where vLLM loads our entry point, so the environment decides whether the plugin is
+on; the engine runs in-process there unless ``multiprocess`` is set.
 
-    python -m vllm_kvguard.workload '{"model": "llama", "num_requests": 8}'
+    python -m vllm_kvguard.tools.workload '{"model": "llama", "num_requests": 8}'
 
-prints one line ``KVGUARD_WORKLOAD_RESULT {json}``. :func:`run_in_subprocess` starts that
-in a fresh interpreter (vLLM loads our entry point there, so the environment decides
-whether the plugin is on) and returns the parsed result, or a ``hung`` result after its
-timeout. The engine runs in-process inside that interpreter unless ``multiprocess`` is set.
+prints one line ``KVGUARD_WORKLOAD_RESULT {json}``.
 
-``python -m vllm_kvguard.workload --serve SPEC`` keeps the engine and takes commands on
-stdin, one a line (the A/B tool interleaves the rounds of two such engines):
+``python -m vllm_kvguard.tools.workload --serve SPEC`` keeps the engine and takes commands
+on stdin, one a line (the A/B tool interleaves the rounds of two such engines):
 
 * once vLLM is imported it prints ``KVGUARD_WORKLOAD_IMPORTED {"ok", "import_s", "platform",
   "versions", "error"}``
@@ -20,22 +22,17 @@ stdin, one a line (the A/B tool interleaves the rounds of two such engines):
 * ``round N`` runs N generate rounds and prints ``KVGUARD_WORKLOAD_ROUND {"ok", "round_s",
   "engine_died", "error"}`` (a dead engine runs nothing and answers ``ok: false``);
 * ``finish`` prints ``KVGUARD_WORKLOAD_RESULT`` with the same dict :func:`run` returns, then
-  exits. :class:`WorkloadProcess` is the parent's side of this protocol.
+  exits.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
-import queue
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any
@@ -60,7 +57,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 FINISHED = ("length", "stop")
-EXIT_GRACE_S = 2.0      # a --serve child that sent its result and has not exited is killed
 
 
 def make_prompts(spec: dict) -> list[list[int]]:
@@ -91,16 +87,15 @@ def _pin(cpus) -> None:
 def pad_cpu_conv_weights() -> bool:
     """Harness workaround for a vLLM CPU defect, applied alike to A and B (never by the plugin).
 
-    With speculative decoding the Mamba conv state is ``conv_kernel - 1 + k`` wide, but the
-    CPU ``causal_conv1d_update`` kernel (``csrc/cpu/mamba_kernels.hpp``, reached through
-    ``model_executor/layers/mamba/ops/cpu/causal_conv1d.py``) takes that width as its
+    With speculative decoding the Mamba conv state is ``conv_kernel - 1 + k`` wide, but
+    vLLM's CPU kernel ``causal_conv1d_update_cpu_vec``
+    (``vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d``) takes that width as its
     number of taps: the last channel reads ``k`` values past the end of the conv weight,
-    i.e. whatever the heap holds there. About one process in seven then produces NaN
-    logits (greedy output ``[t, 0, 0, ...]``) or rounds that disagree, with or without the
-    plugin. Handing the kernel a copy of the weight followed by zeros makes the read
-    deterministic, so A and B compare like with like. (The math stays vLLM's: spec
-    decoding of hybrid models is not correct on CPU either way.) Returns whether it was
-    installed now.
+    i.e. whatever the heap holds there. Some processes then produce NaN logits (greedy
+    output ``[t, 0, 0, ...]``) or rounds that disagree, with or without the plugin. Handing
+    the kernel a copy of the weight followed by zeros makes the read deterministic, so A
+    and B compare like with like. (The math stays vLLM's: spec decoding of hybrid models is
+    not correct on CPU either way.) Returns whether it was installed now.
     """
     try:
         import torch
@@ -199,7 +194,7 @@ class Session:
             from vllm import LLM, SamplingParams
             from vllm.platforms import current_platform
 
-            from vllm_kvguard.tiny_models import MODELS, engine_kwargs, write_model
+            from vllm_kvguard.tools.tiny_models import MODELS, engine_kwargs, write_model
 
             engine = dict(self.spec["engine"])
             if current_platform.is_cuda_alike():
@@ -360,186 +355,12 @@ def serve(spec: dict, commands=None) -> int:
         elif cmd == "finish":
             break
     _emit(RESULT_TAG, session.finish())
-    # The result is out; skip vLLM's interpreter shutdown (~8 s on 2 cores).
+    # The result is out; skip vLLM's interpreter shutdown (slow on a small machine).
     with contextlib.suppress(Exception):
         if session.llm is not None:
             session.llm.llm_engine.engine_core.shutdown()   # EngineCore process, if any
     sys.stderr.flush()
     os._exit(0)
-
-
-def child_env(spec: dict, env: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment minus every KVGUARD* variable, plus ``env``: only the caller decides
-    whether the plugin is on in the child."""
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for key in [k for k in full_env if k.startswith("KVGUARD")]:
-        del full_env[key]
-    full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
-    full_env.update(env or {})
-    return full_env
-
-
-def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
-                      timeout: float = 300.0) -> dict:
-    """Run :func:`run` in a fresh interpreter with ``env`` added to this environment."""
-    cmd = [sys.executable, "-m", "vllm_kvguard.workload", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(spec, env), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except BaseException as exc:
-        if proc.poll() is None:                 # timeout, or Ctrl-C in the caller
-            os.killpg(proc.pid, signal.SIGKILL)
-        if not isinstance(exc, subprocess.TimeoutExpired):
-            raise
-        stdout, stderr = proc.communicate()
-        return {"spec": spec, "ok": False, "hung": True, "engine_died": False,
-                "error": f"no result within {timeout:.0f} s", "stderr": stderr[-4000:]}
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG):])
-            result["stderr"] = stderr[-4000:]
-            result["kvguard_log"] = [ln for ln in (stdout + "\n" + stderr).splitlines()
-                                     if "vllm-kvguard" in ln]   # whole, not a tail
-            return result
-    return {"spec": spec, "ok": False, "engine_died": True, "returncode": proc.returncode,
-            "error": f"process exited {proc.returncode} without a result",
-            "stderr": stderr[-4000:]}
-
-
-class WorkloadProcess:
-    """A ``--serve`` child driven from this process. Every call waits with a timeout; a
-    child that does not answer in time is killed and reported ``hung``, one that exits is
-    reported ``engine_died``. Use as a context manager: leaving it kills the child."""
-
-    def __init__(self, spec: dict, env: dict[str, str] | None = None):
-        self.spec = spec
-        self._imported: dict | None = None
-        self._sent_start = self._sent_finish = False
-        self.hung = False
-        self.error: str | None = None
-        self._lines: queue.Queue = queue.Queue()
-        self._stderr: collections.deque = collections.deque(maxlen=200)
-        cmd = [sys.executable, "-m", "vllm_kvguard.workload", "--serve", json.dumps(spec)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1,
-                                     env=child_env(spec, env), start_new_session=True)
-        for stream, sink in ((self.proc.stdout, self._stdout_line),
-                             (self.proc.stderr, self._stderr.append)):
-            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
-
-    def _pump(self, stream, sink) -> None:
-        for line in stream:
-            sink(line.rstrip("\n"))
-        if stream is self.proc.stdout:
-            self._lines.put(None)                       # EOF: the child is gone
-
-    def _stdout_line(self, line: str) -> None:
-        for tag in (IMPORTED_TAG, READY_TAG, ROUND_TAG, RESULT_TAG):
-            if line.startswith(tag):
-                self._lines.put((tag, json.loads(line[len(tag):])))
-                return
-        self._stderr.append(line)                       # vLLM logs to stdout by default
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None and not self.hung
-
-    def stderr_tail(self, chars: int = 4000) -> str:
-        return "\n".join(self._stderr)[-chars:]
-
-    def _expect(self, tag: str, timeout: float) -> dict | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                item = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.hung = True
-                self.error = f"no answer within {timeout:.0f} s"
-                self.kill()
-                return None
-            if item is None:
-                self._lines.put(None)                   # later calls see EOF too
-                self.proc.wait()
-                self.error = self.error or f"process exited {self.proc.returncode}"
-                return None
-            if item[0] == tag:
-                return item[1]
-
-    def _send(self, line: str) -> bool:
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-            return True
-        except (BrokenPipeError, OSError, ValueError):
-            return False
-
-    def imported(self, timeout: float = 600.0) -> dict:
-        """Wait until the child imported vLLM: ``{"ok", "import_s", "error"}``."""
-        if self._imported is None:
-            msg = self._expect(IMPORTED_TAG, timeout)
-            self._imported = msg if msg is not None else {"ok": False, "error": self.error}
-        return self._imported
-
-    def start(self) -> None:
-        """Ask the child to build its engine (once); :meth:`ready` waits for it."""
-        if not self._sent_start:
-            self._sent_start = self._send("start")
-
-    def ready(self, timeout: float = 600.0) -> dict:
-        """Build the engine and wait for it: ``{"ok", "startup_s", "engine_s", "error"}``."""
-        if not self.imported(timeout).get("ok") and self.error:
-            return {"ok": False, "error": self.error}
-        self.start()
-        msg = self._sent_start and self._expect(READY_TAG, timeout)
-        return msg if msg else {"ok": False, "error": self.error}
-
-    def request_finish(self) -> None:
-        """Ask the child for its result (once); :meth:`finish` collects it."""
-        if not self._sent_finish:
-            self._sent_finish = self._send("finish")
-
-    def rounds(self, n: int, timeout: float = 300.0) -> dict:
-        """Run ``n`` generate rounds: ``{"ok", "round_s", "engine_died", "error"}``."""
-        msg = self._send(f"round {n}") and self._expect(ROUND_TAG, timeout)
-        if msg:
-            return msg
-        return {"ok": False, "round_s": [], "engine_died": not self.hung, "hung": self.hung,
-                "error": self.error}
-
-    def finish(self, timeout: float = 120.0) -> dict:
-        """The full result (as :func:`run` returns it), ``stderr`` tail added; ends the child."""
-        self.request_finish()
-        msg = self._sent_finish and self._expect(RESULT_TAG, timeout)
-        if msg:
-            try:
-                self.proc.wait(timeout=EXIT_GRACE_S)   # the result is in: no need to wait
-            except subprocess.TimeoutExpired:
-                self.kill()
-            result = msg
-        else:
-            result = {"spec": self.spec, "ok": False, "hung": self.hung,
-                      "engine_died": not self.hung, "returncode": self.proc.returncode,
-                      "error": self.error}
-        result["stderr"] = self.stderr_tail()
-        return result
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def __enter__(self) -> "WorkloadProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

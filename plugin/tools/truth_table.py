@@ -1,9 +1,13 @@
 """The per-version truth table: for each patch and pinned vLLM, applied or skipped (why),
-and whether each upstream defect it mitigates is present there or already fixed.
+and whether each upstream defect it mitigates is present there or already fixed, so a
+reader sees per release what the plugin does and what it is still needed for.
 
-    python -m vllm_kvguard.truth_table                 # print it from build/matrix/
-    python -m vllm_kvguard.truth_table --results DIR   # from another results folder
-    python -m vllm_kvguard.truth_table probe --out F   # (the matrix runner, in each pin's venv)
+    python -m vllm_kvguard.tools.truth_table                # print it from build/matrix/
+    python -m vllm_kvguard.tools.truth_table --results DIR  # from another results folder
+    python -m vllm_kvguard.tools.truth_table probe --out F  # (the matrix runner, per pin)
+
+The result readers use the standard library only: ``scripts/matrix.py`` loads this file
+by path, outside any venv.
 
 Where the cells come from (``scripts/matrix.py`` writes ``DIR/<pin>/``):
 
@@ -14,7 +18,7 @@ Where the cells come from (``scripts/matrix.py`` writes ``DIR/<pin>/``):
   :func:`record_defect` / :func:`record_fact` while the runner sets ``KVGUARD_FACTS_FILE``
   (outside the runner they are kept in :data:`FACTS` only)::
 
-      from vllm_kvguard.truth_table import record_defect
+      from vllm_kvguard.tools.truth_table import record_defect
       record_defect("warmup", "vllm#51438", present=blocks_given < blocks_needed,
                     detail=f"{blocks_given} of {blocks_needed} blocks")
 
@@ -258,7 +262,7 @@ def _default_results() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_kvguard.truth_table",
+    ap = argparse.ArgumentParser(prog="python -m vllm_kvguard.tools.truth_table",
                                  description="Print the per-version truth table.")
     ap.add_argument("command", nargs="?", default="show", choices=("show", "probe"))
     ap.add_argument("--results", type=Path, default=None,

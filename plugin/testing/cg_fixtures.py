@@ -1,4 +1,10 @@
-"""Shared pieces of the CUDA-graph unit tests: real vLLM configs planned as on a GPU."""
+"""Shared pieces of the CUDA-graph unit tests: real vLLM configs planned as on a GPU.
+
+:func:`plan` builds the config vLLM would have on a GPU (CUDA-graph mode, capture sizes,
+speculative decoding) from this CPU machine, so coverage and fallback logic is tested on
+vLLM's own tables. :func:`vllm_logging_configured` is a module-scoped autouse fixture:
+import it into a test module to apply it there.
+"""
 from __future__ import annotations
 
 import pytest

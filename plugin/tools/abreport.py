@@ -12,8 +12,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from vllm_kvguard import abstats
-from vllm_kvguard.abstats import FAIL, NA
+from vllm_kvguard.tools import abstats
+from vllm_kvguard.tools.abstats import FAIL, NA
 
 # ---------------------------------------------------------------------------- text table
 COLUMNS = ("scenario", "side", "plugin", "startup s", "done/failed/aborted", "died",

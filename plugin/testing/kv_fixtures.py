@@ -2,9 +2,9 @@
 
 Everything here constructs the installed vLLM's own classes (``KVCacheManager``,
 coordinators, single-type managers, ``BlockPool``, ``Request``, ``Scheduler``); nothing is
-mocked. Builders pass only the keyword arguments the installed vLLM accepts, so they work
-across the supported versions. Import as ``from kv_fixtures import ...`` (``unit_tests``
-is on ``sys.path`` under pytest; benchmarks insert it themselves).
+mocked, so what the allocator fixes are tested and measured on is vLLM's own code. Builders
+pass only the keyword arguments the installed vLLM accepts, so they work across the
+supported versions.
 
 * :func:`hybrid_manager` - full attention + Mamba groups over one pool, the shape that
   trips vLLM's per-group allocation (align mode when prefix caching is on);
@@ -245,7 +245,7 @@ def make_vllm_config(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE,
     """A ``VllmConfig`` for the embedded tiny Llama (no download, no tokenizer)."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    from vllm_kvguard.tiny_models import write_model
+    from vllm_kvguard.tools.tiny_models import write_model
 
     key = ("model", max_model_len)
     if key not in _configs:

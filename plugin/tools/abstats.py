@@ -1,9 +1,10 @@
 """The numbers behind ``kvguard-ab``: throughput samples, paired ratios, output parity and
 the pass/fail checks. Pure functions over plain dicts (no vLLM), so they are unit-tested.
 
-A *side* is what one engine process reported (see :func:`vllm_kvguard.ab.side_summary`):
-``tok_s`` (one throughput per measured sample), ``totals``, ``outputs``/``finish_reasons``
-(the first round), ``held_blocks``, ``audit_violations``, ``counters``...
+A *side* is what one engine process reported (see
+:func:`vllm_kvguard.tools.abrun.side_summary`): ``tok_s`` (one throughput per measured
+sample), ``totals``, ``outputs``/``finish_reasons`` (the first round), ``held_blocks``,
+``audit_violations``, ``counters``...
 
 Ratios are paired: sample *i* of B divided by sample *i* of A, both from the *i*-th fresh
 pair of processes, whose rounds ran one by one in ABBA order, so drift of a shared machine

@@ -1,0 +1,1 @@
+"""Operator tools: the ``kvguard-ab`` A/B benchmark, its workload runner, the truth table."""

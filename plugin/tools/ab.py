@@ -1,0 +1,336 @@
+"""``kvguard-ab``: the same workload on the same installed vLLM with the plugin off (A) and
+on (B), in one invocation, each engine in its own process; a side-by-side table on stdout,
+a JSON file and a PNG chart. ``python -m vllm_kvguard.tools.ab --help`` lists the options.
+
+This module is the command line: it checks every argument before any engine starts, runs
+the scenarios (:mod:`~vllm_kvguard.tools.abscenarios`) through the pair runner
+(:mod:`~vllm_kvguard.tools.abrun`), then the micro-benchmarks
+(:mod:`~vllm_kvguard.tools.abmicro`), and writes the report
+(:mod:`~vllm_kvguard.tools.abreport`). B/A is the median of the per-pair ratios, with
+min-max (:mod:`~vllm_kvguard.tools.abstats`).
+
+Exit status: 1 if any check fails (B not completing every request, leaking blocks,
+differing greedy outputs, or a throughput ratio below ``--tolerance``; a median below it
+while the pairs spread more than twice the band and one pair is within it is reported as
+*inconclusive* instead: the noise may be what shows), 2 on a bad argument (before any
+engine starts), 130 on Ctrl-C or SIGTERM (after printing what was done).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kvguard import __version__
+from vllm_kvguard.tools import abreport
+from vllm_kvguard.tools.abmicro import MICROBENCH, microbench
+from vllm_kvguard.tools.abrun import Progress, run_scenario, steps_for
+from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS
+from vllm_kvguard.tools.workload import DEFAULTS
+
+# CLI engine settings passed through to LLM(...): (flag, LLM keyword, type)
+ENGINE_FLAGS = (
+    ("--max-num-seqs", "max_num_seqs", int),
+    ("--max-model-len", "max_model_len", int),
+    ("--num-gpu-blocks-override", "num_gpu_blocks_override", int),
+    ("--block-size", "block_size", int),
+    ("--dtype", "dtype", str),
+    ("--load-format", "load_format", str),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float),
+    ("--tensor-parallel-size", "tensor_parallel_size", int),
+    ("--seed", "seed", int),
+)
+
+
+class UsageError(Exception):
+    """A bad argument: reported as ``kvguard-ab: error: ...`` and exit status 2."""
+
+
+# ---------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvguard-ab", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A/B benchmark: the same workload with vllm-kvguard off (A) and on (B), "
+                    "side by side, in one invocation.",
+        epilog="Scenarios:\n" + "\n".join(f"  {s.name:13} {s.description}"
+                                          for s in SCENARIOS.values())
+        + "\n\nExit status: 0 every check passed, 1 a check failed (B lost requests, leaked "
+          "blocks,\ndiffered from A's greedy outputs or was slower than --tolerance), 2 a bad "
+          "argument\n(nothing started), 130 interrupted (what finished is still reported).")
+    p.add_argument("--scenario", action="extend", nargs="+", metavar="NAME",
+                   help=f"scenarios to run, several allowed; 'all' (the default) is "
+                        f"{', '.join(DEFAULT_SCENARIOS)}")
+    p.add_argument("--model", metavar="PATH",
+                   help="a local model directory (config.json + weights) used by every "
+                        "scenario; default: the embedded dummy-weight models "
+                        f"({', '.join(EMBEDDED)}), no download")
+    p.add_argument("--repeat", metavar="N", type=int, default=3,
+                   help="fresh A/B process pairs per scenario, one paired throughput sample "
+                        "each (default 3)")
+    p.add_argument("--rounds", metavar="auto|N", default="auto",
+                   help="generate rounds per sample, or 'auto': enough for --sample-seconds, "
+                        "at least 3 (default auto)")
+    p.add_argument("--sample-seconds", metavar="S", type=float, default=1.0,
+                   help="target duration of one sample with --rounds auto (default 1.0)")
+    p.add_argument("--warmup", metavar="N", type=int, default=2,
+                   help="unmeasured rounds per engine before sampling (default 2)")
+    p.add_argument("--tolerance", metavar="RATIO", type=float, default=0.97,
+                   help="fail if the median throughput ratio B/A is below this (default 0.97)")
+    p.add_argument("--faults", metavar="SPEC", default="every=7",
+                   help="KVGUARD_FAULTS schedule of alloc-faults (default every=7)")
+    p.add_argument("--threads", metavar="auto|N", default="auto",
+                   help="OpenMP threads per engine, the same for A and B. auto (default): "
+                        "1 with a CPU build of vLLM (its core binding off), so the two "
+                        "engines and other processes on a small machine do not stall each "
+                        "other's bound threads; untouched on a GPU build. 0: vLLM's own "
+                        "setting. N: N threads, core binding off. With N threads, A and B "
+                        "are both pinned to the same last N CPUs")
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, metavar="N", help="requests per round (scenario default)")
+    g.add_argument("--prompt-len", type=int, metavar="N", help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"generated tokens per request (default "
+                                                  f"{DEFAULTS['max_tokens']})")
+    e = p.add_argument_group(
+        "engine settings", "LLM(...) keywords, overriding every scenario's own. Defaults: "
+        "dtype bfloat16, enforce_eager, max_model_len 512, max_num_seqs 8, seed 0, no "
+        "tokenizer (token-id prompts), dummy weights for the embedded models")
+    for flag, _, typ in ENGINE_FLAGS:
+        e.add_argument(flag, type=typ, metavar={int: "N", float: "X"}.get(typ, "VALUE"))
+    e.add_argument("--speculative-config", metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; null: none')
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None)
+    e.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="any other LLM(...) keyword, value as JSON (repeatable)")
+    e.add_argument("--multiprocess", action="store_true",
+                   help="EngineCore in its own process (vLLM's default; slower to start)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default="kvguard-ab.json", metavar="PATH",
+                   help="JSON report (default kvguard-ab.json)")
+    o.add_argument("--png", default="kvguard-ab.png", metavar="PATH",
+                   help="PNG chart (default kvguard-ab.png); --no-png: none")
+    o.add_argument("--no-png", action="store_true")
+    o.add_argument("--no-microbench", action="store_true",
+                   help="skip the allocator/dispatch micro-benchmarks")
+    o.add_argument("--timeout", metavar="S", type=float, default=900.0,
+                   help="seconds an engine may take to start or to run one round (default 900)")
+    o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _json_arg(flag: str, raw: str, example: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag}: {raw!r} is not valid JSON ({exc}); expected e.g. {example}")
+
+
+def validate(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every argument (no engine, no vLLM import); return the run settings."""
+    names: list[str] = []
+    for raw in args.scenario or ["all"]:
+        for name in filter(None, (n.strip() for n in raw.split(","))):
+            if name == "all":
+                names += [n for n in DEFAULT_SCENARIOS if n not in names]
+            elif name not in SCENARIOS:
+                raise UsageError(f"--scenario: unknown scenario {name!r}; valid: "
+                                 f"{', '.join(SCENARIOS)}, all")
+            elif name not in names:
+                names.append(name)
+
+    model = args.model
+    if model is not None and model not in EMBEDDED:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            why = "does not exist" if not path.exists() else "has no config.json"
+            raise UsageError(f"--model: {model!r} {why}; give a local model directory "
+                             f"(config.json + weights), or one of the embedded models "
+                             f"{', '.join(EMBEDDED)}, or leave --model out")
+        model = str(path.resolve())
+
+    overrides: dict[str, Any] = {}
+    for flag, key, _ in ENGINE_FLAGS:
+        val = getattr(args, key)
+        if val is not None:
+            overrides[key] = val
+    for key in ("enforce_eager", "enable_prefix_caching"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if args.speculative_config is not None:
+        spec = _json_arg("--speculative-config", args.speculative_config,
+                         '\'{"method": "ngram", "num_speculative_tokens": 3}\' or null')
+        if spec is not None and not (isinstance(spec, dict) and "method" in spec):
+            raise UsageError(f"--speculative-config: {args.speculative_config!r} must be a "
+                             f"JSON object with a \"method\" (e.g. ngram, eagle, eagle3, "
+                             f"mtp, draft_model), or null for no speculative decoding")
+        overrides["speculative_config"] = spec
+    for item in args.engine_arg:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--engine-arg: {item!r} is not KEY=VALUE with KEY an LLM(...) "
+                             f"keyword, e.g. --engine-arg swap_space=0")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw                       # a bare string
+    if model is not None and model not in EMBEDDED and "load_format" not in overrides:
+        overrides["load_format"] = "auto"              # real weights for a real model
+
+    if args.repeat < 1:
+        raise UsageError(f"--repeat: {args.repeat} is not a whole number >= 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup: {args.warmup} is not a whole number >= 0")
+    if args.rounds != "auto":
+        try:
+            rounds = int(args.rounds)
+            if rounds < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--rounds: {args.rounds!r} is not a whole number >= 1 or 'auto'")
+    else:
+        rounds = "auto"
+    if not 0.0 < args.tolerance <= 2.0:
+        raise UsageError(f"--tolerance: {args.tolerance} is not a ratio in (0, 2], "
+                         f"e.g. 0.97 (B may be up to 3% slower than A)")
+    if args.sample_seconds <= 0:
+        raise UsageError(f"--sample-seconds: {args.sample_seconds} is not > 0")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout: {args.timeout} is not > 0")
+    if any(n == "alloc-faults" for n in names):
+        from vllm_kvguard.flags import parse_faults
+
+        try:
+            parse_faults(args.faults)
+        except ValueError as exc:
+            raise UsageError(f"--faults: {exc}")
+    for n, label in ((args.num_requests, "--num-requests"), (args.prompt_len, "--prompt-len"),
+                     (args.max_tokens, "--max-tokens")):
+        if n is not None and n < 1:
+            raise UsageError(f"{label}: {n} is not a whole number >= 1")
+    outputs = [args.json] + ([] if args.no_png else [args.png])
+    for out in outputs:
+        parent = Path(out).expanduser().resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise UsageError(f"{'--json' if out == args.json else '--png'}: cannot write "
+                             f"{out!r} (directory {str(parent)!r} missing or read-only)")
+    workload = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "max_tokens")
+                if getattr(args, k) is not None}
+    try:
+        threads = (1 if cpu_build_of_vllm() else 0) if args.threads == "auto" else int(
+            args.threads)
+        if threads < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--threads: {args.threads!r} is not auto or a whole number >= 0")
+    thread_env = {} if not threads else {"OMP_NUM_THREADS": str(threads),
+                                         "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    # A and B (and the reference) share the same CPUs: only one runs at a time, and what
+    # else loads those CPUs hits both alike; unpinned, one process can sit for the whole
+    # run beside a busy neighbour (a persistent bias ABBA order cannot cancel).
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed[-threads:] if threads and len(allowed) >= threads else None
+    return {"scenarios": names, "model": model, "overrides": overrides, "workload": workload,
+            "repeat": args.repeat, "rounds": rounds, "warmup": args.warmup,
+            "sample_seconds": args.sample_seconds, "tolerance": args.tolerance,
+            "faults": args.faults, "multiprocess": args.multiprocess,
+            "thread_env": thread_env, "cpus": cpus,
+            "timeout": args.timeout}
+
+
+def cpu_build_of_vllm() -> bool:
+    """vllm-cpu, or a ``+cpu`` source build (package metadata only: no vLLM import)."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return dist == "vllm-cpu" or "cpu" in version
+    return False
+
+
+def run_all(settings: dict, prog: Progress, report: dict) -> None:
+    """Fill ``report`` scenario by scenario (so Ctrl-C leaves what was done)."""
+    env = report["environment"]
+    env.update(python=platform.python_version(), cpus=os.cpu_count())
+    references: dict[str, dict] = {}
+    for name in settings["scenarios"]:
+        report["scenarios"].append(
+            run_scenario(SCENARIOS[name], settings, prog, references, env))
+    if settings.get("microbench", True):
+        for name in MICROBENCH:
+            report["microbench"][name] = microbench(name, settings["timeout"])
+            prog.say(f"micro-benchmark {name}: {report['microbench'][name].get('ratio')}",
+                     advance=1)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Ctrl-C (even where the shell started us ignoring SIGINT) and SIGTERM stop the run the
+    same way: children killed, the finished scenarios reported. Restores the handlers."""
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):           # not the main thread
+            saved[sig] = signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = validate(args)
+    except UsageError as exc:
+        parser.error(str(exc))                       # exit 2, before any engine
+    settings["microbench"] = not args.no_microbench
+    report: dict[str, Any] = {
+        "tool": "kvguard-ab", "kvguard_version": __version__,
+        "command": " ".join(["kvguard-ab", *(sys.argv[1:] if argv is None else argv)]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": {},
+        "settings": {k: v for k, v in settings.items()}, "scenarios": [],
+        "microbench": {}, "interrupted": False}
+    prog = Progress(steps_for(settings), args.quiet)
+    t0 = time.monotonic()
+    try:
+        with _stop_on_signals():
+            run_all(settings, prog, report)
+    except KeyboardInterrupt:
+        report["interrupted"] = True                 # children were killed on the way out
+    finally:
+        prog.close()
+    report["duration_s"] = round(time.monotonic() - t0, 1)
+    report["ok"] = (not report["interrupted"] and bool(report["scenarios"])
+                    and all(sc["ok"] for sc in report["scenarios"]))
+    if report["scenarios"]:
+        print(abreport.format_table(report), flush=True)
+    else:
+        print("kvguard-ab: interrupted before any scenario finished", flush=True)
+    written = [abreport.write_json(report, args.json)]
+    if not args.no_png and report["scenarios"]:
+        written.append(abreport.write_png(report, args.png))
+    print(f"wrote {', '.join(str(p) for p in written)} in {report['duration_s']:.0f} s",
+          flush=True)
+    if report["interrupted"]:
+        return 130
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
