@@ -109,7 +109,20 @@ def startup_line(version, res: dict[str, str]) -> str:
     return (f"vllm-kvguard {__version__} active in {proc} (pid {os.getpid()}), vLLM {version}: "
             f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}; "
             f"{len(wrapped_targets())} targets wrapped, {pending_targets()} more when vLLM "
-            f"loads their module")
+            f"loads their module; {declared_changes()}")
+
+
+def declared_changes() -> str:
+    """The run-time changes the applied patches may make, by kind (the registry's view)."""
+    from collections import Counter
+
+    from vllm_kvguard.patches import ALL_PATCHES
+
+    kinds = Counter(c.kind for p in ALL_PATCHES if p.applied for c in p.changes)
+    if not kinds:
+        return "no run-time changes declared"
+    return "run-time changes declared: " + ", ".join(
+        f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
 
 
 def unwrapped_loaded_targets() -> list[str]:
