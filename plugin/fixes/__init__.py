@@ -1,4 +1,5 @@
-"""The fixes: pluggy hookimpls, one module per concern. Patches register them on apply."""
+"""The fixes: pluggy hookimpls, one module per concern. Patches register them on apply
+(the cudagraph patch builds its fix objects itself, with the changes it declares)."""
 from vllm_kvguard.manager import register
 
 
@@ -23,9 +24,3 @@ def register_warmup_fixes() -> None:
     register(warmup_guard, "kvguard.warmup_guard")
     register(capacity, "kvguard.capacity")
 
-
-def register_cudagraph_fixes() -> None:
-    from vllm_kvguard.fixes import coverage, fallbacks
-
-    register(coverage, "kvguard.coverage")
-    register(fallbacks, "kvguard.fallbacks")
