@@ -18,6 +18,11 @@ Targets (V2 ones are optional: skipped with a log line where absent)
         -> ``kvguard_block_pool_ready``: block 0 is the reserved null block, never free
     ``vllm.v1.worker.gpu_worker.Worker.sleep`` / ``.wake_up``
         -> ``kvguard_cudagraph_reinit``: suspend / resume (or release) the armed accounting
+Fixes
+    The hookimpls are :mod:`vllm_kvguard.fixes.cudagraph_hooks` (built by :func:`install_fixes`
+    with this patch's declarations and flags); they call the analysis in
+    :mod:`~vllm_kvguard.fixes.coverage` / :mod:`~vllm_kvguard.fixes.planner` and the runtime
+    accounting in :mod:`~vllm_kvguard.fixes.fallbacks` / :mod:`~vllm_kvguard.fixes.fallbacks_v2`.
 Run-time changes (``PATCH.changes``; the fixes install them only through these)
     :data:`DISPATCH` (V1 per-instance ``dispatch`` closure), :data:`DESCRIPTOR` (the V2
     miss-path descriptor stand-in), :data:`GATES` (V2 candidate-list gates),

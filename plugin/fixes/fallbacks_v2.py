@@ -1,7 +1,7 @@
 """Model runner V2 fallback accounting, with no wrapper on ``CudaGraphManager.dispatch``.
 
-A V2 dispatch is a dict lookup (~0.4 us): any wrapper frame would cost a quarter of it.
-A graphed batch returns a stored descriptor untouched. Two places see the rest:
+A V2 dispatch is a dict lookup, so a wrapper frame around it would be a large share of its
+cost. A graphed batch returns a stored descriptor untouched. Two places see the rest:
 
 * A miss constructs ``BatchExecutionDescriptor(cg_mode=NONE, ...)``: while a V2 owner is
   armed that name in ``cudagraph_utils`` is a transparent stand-in (:class:`MissFactory`)
@@ -12,8 +12,8 @@ A graphed batch returns a stored descriptor untouched. Two places see the rest:
 
 Data parallel: ``dp_utils.sync_cudagraph_and_dp_padding`` (called only when
 ``dp_size > 1``) compares this rank's wish with the agreed mode (:func:`after_dp_sync`).
-Every change goes through the declarations the :class:`~vllm_kvguard.fixes.fallbacks.
-Accounting` holds.
+Every change goes through the declarations the accounting
+(:class:`vllm_kvguard.fixes.fallbacks.Accounting`) holds.
 """
 from __future__ import annotations
 
