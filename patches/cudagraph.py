@@ -119,8 +119,9 @@ USES = (
             versions="<0.33"),
     Private(V2_GRAPHS, "CudaGraphManager", ("_max_full_descs_to_capture",
                                             "_capture_mem_samples"), versions=">=0.29"),
-    # the gates rely on how _is_compatible compares a descriptor's fields
-    Private(V2_GRAPHS, "", ("_is_compatible",)),
+    # the gates rely on how _is_compatible compares a descriptor's fields (0.29+)
+    Private(V2_GRAPHS, "_is_compatible", ("max_query_len", "num_reqs", "uniform_token_count"),
+            versions=">=0.29"),
     # frame locals the V2 miss path reads from dispatch
     Private(V2_GRAPHS, "CudaGraphManager.dispatch",
             ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras")),
