@@ -2,9 +2,9 @@
 
     python benchmarks/bench_dispatch.py [--rounds 41] [--calls 4000]
 
-Two owners are built from the same real config (``coverage.plan_config``: max_num_seqs=256,
-3 draft tokens, FULL_AND_PIECEWISE as on a GPU): one bare, one armed by
-``fallbacks.arm`` exactly as after ``capture_model``. Each case calls both the way vLLM
+Two owners are built from the same real config (``plan.plan_config``: max_num_seqs=256,
+3 draft tokens, FULL_AND_PIECEWISE as on a GPU): one bare, one armed by the patch's
+``Accounting.arm`` exactly as after ``capture_model``. Each case calls both the way vLLM
 does (V1: ``dispatcher.dispatch(num_tokens=..., ...)`` with keywords; V2: positional plus
 ``max_query_len=``), in interleaved rounds of ``--calls`` calls each, so machine noise hits
 both alike. Printed per case: the bare call time (median round), the armed one, and the
@@ -12,7 +12,7 @@ overhead ``armed / bare - 1`` as the median of the per-round ratios (and from th
 rounds). The target is <= 3% for batches that get their graph (the steady state).
 
 V2 is armed without any wrapper (misses and FULL->PIECEWISE fall-throughs are seen from
-inside, see ``vllm_kvguard.fixes.fallbacks``), so its graphed case should read ~0%. For
+inside, see ``vllm_kvguard.fixes.fallbacks_v2``), so its graphed case should read ~0%. For
 scale, the last row is what a generic class-level ``hooked`` wrapt wrapper would cost.
 """
 from __future__ import annotations
@@ -60,16 +60,19 @@ def main(argv=None) -> int:
 
     import logging
 
-    from vllm_kvguard import fixes, log, report
-    from vllm_kvguard.fixes import coverage, fallbacks
-    from vllm_kvguard.registry import KvguardWrapper, hooked
+    from vllm_kvguard import log, report
+    from vllm_kvguard.fixes import fallbacks, graph_owners
+    from vllm_kvguard.hostcall import hooked
+    from vllm_kvguard.patches import cudagraph
+    from vllm_kvguard.registry import KvguardWrapper
+    from vllm_kvguard.tools import plan
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    fixes.register_cudagraph_fixes()
+    accounting = cudagraph.install_fixes()["fallbacks"].accounting
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     kw = dict(max_num_seqs=256, max_num_batched_tokens=8192, speculative_config=spec)
-    vc1 = coverage.plan_config(cudagraph_mode="FULL_AND_PIECEWISE", runner="v1", **kw)
-    vc2 = coverage.plan_config(cudagraph_mode="FULL_AND_PIECEWISE", runner="v2", **kw)
+    vc1 = plan.plan_config(cudagraph_mode="FULL_AND_PIECEWISE", runner="v1", **kw)
+    vc2 = plan.plan_config(cudagraph_mode="FULL_AND_PIECEWISE", runner="v2", **kw)
     log.logger.setLevel(logging.ERROR)          # the fallback case warns once; keep output clean
 
     print(f"vLLM dispatch overhead of vllm-kvguard's fallback accounting "
@@ -77,9 +80,9 @@ def main(argv=None) -> int:
     print(f"  {'case':<46} {'bare':>11} {'armed':>11}   overhead (median round)")
 
     # ---- V1 CudagraphDispatcher, called as _determine_batch_execution_and_padding does.
-    bare1 = coverage.plan_owner(vc1).obj
-    armed1 = coverage.plan_owner(vc1)
-    fallbacks.arm(None, armed1)
+    bare1 = plan.plan_owner(vc1).obj
+    armed1 = plan.plan_owner(vc1)
+    accounting.arm(None, armed1)
     armed1 = armed1.obj
 
     def v1(d, num_tokens, uniform):
@@ -103,8 +106,8 @@ def main(argv=None) -> int:
             num_tokens=n, num_reqs=len(per_request), num_scheduled_tokens_np=sched,
             max_num_scheduled_tokens=widest, use_cascade_attn=False)
 
-    r_bare, r_armed = coverage.plan_v1_runner(vc1), coverage.plan_v1_runner(vc1)
-    fallbacks.arm(r_armed, coverage.V1Owner(r_armed.cudagraph_dispatcher, vc1))
+    r_bare, r_armed = plan.plan_v1_runner(vc1), plan.plan_v1_runner(vc1)
+    accounting.arm(r_armed, graph_owners.V1Owner(r_armed.cudagraph_dispatcher, vc1))
     row("V1 runner step, graphed decode (100x4)",
         measure(runner_step(r_bare, [4] * 100), runner_step(r_armed, [4] * 100), a.rounds,
                 a.calls))
@@ -119,14 +122,14 @@ def main(argv=None) -> int:
 
     # ---- V2 CudaGraphManager, called as dispatch_cg_and_sync_dp does.
     def v2owner(armed):
-        owner = coverage.plan_owner(vc2, "v2")
+        owner = plan.plan_owner(vc2, "v2")
         owner.obj._graphs_captured = True
         if armed:
-            fallbacks.arm(None, owner)
+            accounting.arm(None, owner)
         return owner.obj
 
     bare2, armed2 = v2owner(False), v2owner(True)
-    wide = coverage._v2_takes_max_query_len(type(bare2))
+    wide = graph_owners.takes_max_query_len(type(bare2))
 
     def v2(m, n, tokens, u, mql):
         if wide:
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
         measure(v1(bare1, 400, True), v1_generic, a.rounds, a.calls))
     counted = report.snapshot().get(fallbacks.CATEGORY, {})
     print(f"  fallbacks counted during the run: {counted}")
-    fallbacks.disarm_all()
+    cudagraph.remove_fixes()
     return 0
 
 

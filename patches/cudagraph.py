@@ -6,11 +6,11 @@ Targets (V2 ones are optional: skipped with a log line where absent)
     initialize_kv_cache`` (V2)
         -> ``kvguard_cudagraph_before_kv_init`` (opt-in capture completion, before attention
         builders and graph keys are sized) and ``kvguard_cudagraph_after_kv_init`` (one
-        coverage table per KV init, worker padding ids) -> :mod:`vllm_kvguard.fixes.coverage`
+        coverage table per KV init, worker padding ids)
     ``...GPUModelRunner.capture_model`` (V1, V2)
         -> ``kvguard_cudagraph_before_capture`` / ``kvguard_cudagraph_captured``: arm runtime
-        accounting on the runner's graph owner (:mod:`vllm_kvguard.fixes.fallbacks`); V2:
-        capture disabled after a non-profile capture, as V1 does
+        accounting on the runner's graph owner; V2: capture disabled after a non-profile
+        capture, as V1 does
     ``vllm.v1.worker.gpu.dp_utils.sync_cudagraph_and_dp_padding`` (V2; called by
     ``dispatch_cg_and_sync_dp`` only when ``dp_size > 1``, so a single-rank step pays nothing)
         -> a rank forced eager by the DP agreement is counted (``dp_sync_forced``)
@@ -18,11 +18,18 @@ Targets (V2 ones are optional: skipped with a log line where absent)
         -> ``kvguard_block_pool_ready``: block 0 is the reserved null block, never free
     ``vllm.v1.worker.gpu_worker.Worker.sleep`` / ``.wake_up``
         -> ``kvguard_cudagraph_reinit``: suspend / resume (or release) the armed accounting
-Per instance, never at class level on the dispatch path (see :data:`DISPATCH_METHODS`)
-    V1 ``CudagraphDispatcher.dispatch`` gets a counting closure; V2 ``CudaGraphManager.
-    dispatch`` is left as is: its misses and FULL->PIECEWISE fall-throughs are seen without
-    a wrapper (:mod:`vllm_kvguard.fixes.fallbacks`). Armed after capture, only when the
-    configuration intends graphs.
+Fixes
+    The hookimpls are :mod:`vllm_kvguard.fixes.cudagraph_hooks` (built by :func:`install_fixes`
+    with this patch's declarations and flags); they call the analysis in
+    :mod:`~vllm_kvguard.fixes.coverage` / :mod:`~vllm_kvguard.fixes.planner` and the runtime
+    accounting in :mod:`~vllm_kvguard.fixes.fallbacks` / :mod:`~vllm_kvguard.fixes.fallbacks_v2`.
+Run-time changes (``PATCH.changes``; the fixes install them only through these)
+    :data:`DISPATCH` (V1 per-instance ``dispatch`` closure), :data:`DESCRIPTOR` (the V2
+    miss-path descriptor stand-in), :data:`GATES` (V2 candidate-list gates),
+    :data:`CAPTURE_LOCK` (V2 capture lock), and for the offline planner
+    (:mod:`vllm_kvguard.tools.plan`) :data:`PLATFORM` / :data:`PLATFORM_BINDINGS` (a CPU
+    platform where vLLM detects none) and :data:`PLAN_RUNNER` (its stand-in V1 runner).
+    Nothing is wrapped at class level on the dispatch path.
 Why
     Batches no captured graph covers run eager with no log and no counter: with 3 draft
     tokens and max_num_seqs=256 the default capture ceiling (512 tokens) leaves every decode
@@ -41,19 +48,90 @@ from __future__ import annotations
 
 import logging
 
-from vllm_kvguard.fixes import fallbacks
-from vllm_kvguard.log import once
-from vllm_kvguard.manager import hook
+from vllm_kvguard.flags import Flags
 from vllm_kvguard.hostcall import HostCall, hooked
-from vllm_kvguard.registry import Patch, Target
+from vllm_kvguard.log import once
+from vllm_kvguard.manager import hook, register, unregister
+from vllm_kvguard.registry import ContainerItem, InstanceAttr, ModuleGlobal, Patch, Private, Target
 
 NAME = "cudagraph"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+V1_DISPATCHER = "vllm.v1.cudagraph_dispatcher"
+V2_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
 
 #: Methods replaced per instance (not wrapped at class level); the drift test checks them.
-DISPATCH_METHODS = (("vllm.v1.cudagraph_dispatcher", "CudagraphDispatcher.dispatch"),
-                    ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager.dispatch"))
+DISPATCH_METHODS = ((V1_DISPATCHER, "CudagraphDispatcher.dispatch"),
+                    (V2_GRAPHS, "CudaGraphManager.dispatch"))
+
+# ----------------------------------------------------------------------------- changes
+DISPATCH = InstanceAttr(
+    V1_DISPATCHER, "CudagraphDispatcher", "dispatch",
+    why="V1 fallback accounting: a closure with the host's signature on an armed dispatcher "
+        "calls the bound original and takes a slow path only when the intended graph missed")
+DESCRIPTOR = ModuleGlobal(
+    V2_GRAPHS, "BatchExecutionDescriptor",
+    why="V2 fallback accounting: a transparent stand-in for the class, built only on "
+        "dispatch's miss path, reads the missed batch from dispatch's frame")
+GATES = ContainerItem(
+    V2_GRAPHS, "CudaGraphManager", "_candidates",
+    why="V2 fallback accounting: a gate between the FULL decode and PIECEWISE descriptors "
+        "of a candidate list sees a FULL -> PIECEWISE fall-through and never matches")
+CAPTURE_LOCK = ModuleGlobal(
+    "vllm.compilation.monitor", "cudagraph_capturing_enabled",
+    why="V2 capture lock: off after a non-profile capture_model (as V1 does), on around the "
+        "next capture")
+PLATFORM = ModuleGlobal(
+    "vllm.platforms", "_current_platform",
+    why="offline planner: vLLM's CPU platform while building a config where vLLM detects "
+        "no platform (a CUDA wheel without a GPU)")
+#: Modules that bind ``current_platform`` by name when the planner builds a config.
+PLATFORM_IMPORTERS = (
+    "vllm.platforms", "vllm.config.compilation", "vllm.config.lora", "vllm.config.model",
+    "vllm.config.parallel", "vllm.engine.arg_utils", "vllm.utils.system_utils",
+    "vllm.utils.mem_utils", "vllm.triton_utils.importing",
+    "vllm.model_executor.layers.quantization",
+    "vllm.model_executor.layers.quantization.utils.quant_utils")
+PLATFORM_BINDINGS = tuple(
+    ModuleGlobal(m, "current_platform", required=False,
+                 why="offline planner: this module's binding of the stand-in platform")
+    for m in PLATFORM_IMPORTERS)
+#: What ``_determine_batch_execution_and_padding`` reads from the planner's stand-in runner.
+PLAN_RUNNER_ATTRS = ("vllm_config", "parallel_config", "compilation_config", "model_config",
+                     "uniform_decode_query_len", "input_batch", "cudagraph_dispatcher")
+PLAN_RUNNER = tuple(
+    InstanceAttr(V1_RUNNER, "GPUModelRunner", name,
+                 why="offline planner: the stand-in V1 runner (built without __init__, which "
+                     "needs a GPU) that runs vLLM's own per-step dispatch")
+    for name in PLAN_RUNNER_ATTRS)
+
+# ----------------------------------------------------------------------------- private names
+USES = (
+    Private(V1_RUNNER, "GPUModelRunner", ("_determine_batch_execution_and_padding",)),
+    # frame locals the V1 slow path reads from that method (found by code object)
+    Private(V1_RUNNER, "GPUModelRunner._determine_batch_execution_and_padding",
+            ("num_reqs", "max_num_scheduled_tokens", "num_tokens", "force_eager")),
+    Private(V1_DISPATCHER, "CudagraphDispatcher", ("_get_lora_cases",), versions="<0.33"),
+    Private(V2_GRAPHS, "CudaGraphManager",
+            ("_candidates", "_capture_descs", "_graphs_captured", "_init_candidates")),
+    Private(V2_GRAPHS, "CudaGraphManager",
+            ("_build_lora_dispatch_map", "_lora_dispatch_map", "_max_lora_case"),
+            versions="<0.33"),
+    Private(V2_GRAPHS, "CudaGraphManager", ("_max_full_descs_to_capture",
+                                            "_capture_mem_samples"), versions=">=0.29"),
+    # the gates rely on how _is_compatible compares a descriptor's fields (0.29+)
+    Private(V2_GRAPHS, "_is_compatible", ("max_query_len", "num_reqs", "uniform_token_count"),
+            versions=">=0.29"),
+    # frame locals the V2 miss path reads from dispatch
+    Private(V2_GRAPHS, "CudaGraphManager.dispatch",
+            ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras")),
+    Private(V2_GRAPHS, "CudaGraphManager.dispatch", ("max_query_len",), versions=">=0.29"),
+    Private(V2_GRAPHS, "CudaGraphManager.dispatch", ("num_ubatches",), versions=">=0.32"),
+    # vLLM's own capture sizing, re-run by the planner on a copy of the config
+    Private("vllm.config", "VllmConfig", ("_set_cudagraph_sizes",)),
+    Private("vllm.config", "CompilationConfig", ("_attention_ops",)),
+    Private("vllm.platforms", "", ("_current_platform",)),
+)
 
 
 @hooked(NAME)
@@ -81,8 +159,9 @@ def capture_model(call: HostCall):
 def sync_cudagraph_and_dp_padding(wrapped, instance, args, kwargs):
     """V2 DP agreement (dp_size > 1 only); ``after_dp_sync`` fails open itself."""
     result = wrapped(*args, **kwargs)
-    if fallbacks.ARMED:
-        fallbacks.after_dp_sync(args, kwargs, result)
+    fallback_hooks = _fixes.get("fallbacks")
+    if fallback_hooks is not None and fallback_hooks.accounting.armed:
+        fallback_hooks.accounting.after_dp_sync(args, kwargs, result)
     return result
 
 
@@ -115,16 +194,47 @@ def worker_wake_up(call: HostCall):
     return result
 
 
-def _setup(flags):
-    from vllm_kvguard.fixes import coverage
-    from vllm_kvguard.manager import register
-
-    register(coverage, "kvguard.coverage")
-    register(fallbacks, "kvguard.fallbacks")
+# ----------------------------------------------------------------------------- fixes
+#: The fix objects registered by :func:`install_fixes` ("coverage", "fallbacks").
+_fixes: dict = {}
+FIX_NAMES = {"coverage": "kvguard.coverage", "fallbacks": "kvguard.fallbacks"}
 
 
-def _teardown():
-    fallbacks.disarm_all()
+def build_fixes(flags: Flags | None = None) -> dict:
+    """The cudagraph fix objects, built with this patch's declarations and ``flags``."""
+    from vllm_kvguard.fixes.cudagraph_hooks import CoverageHooks, FallbackHooks
+    from vllm_kvguard.fixes.fallbacks import Accounting
+
+    flags = flags or Flags()
+    return {"coverage": CoverageHooks(CAPTURE_LOCK, complete=flags.cudagraph_complete,
+                                      complete_force=flags.cudagraph_complete_force),
+            "fallbacks": FallbackHooks(Accounting(DISPATCH, DESCRIPTOR, GATES))}
+
+
+def install_fixes(flags: Flags | None = None) -> dict:
+    """Build the fixes and register them (replacing any registered before); the patch's
+    setup. Returns them by name."""
+    remove_fixes()
+    built = build_fixes(flags)
+    for key, fix in built.items():
+        register(fix, FIX_NAMES[key])
+    _fixes.update(built)
+    return built
+
+
+def remove_fixes() -> None:
+    """Disarm the accounting and unregister the fixes (the patch's teardown)."""
+    fallback_hooks = _fixes.pop("fallbacks", None)
+    if fallback_hooks is not None:
+        fallback_hooks.accounting.disarm_all()
+    _fixes.clear()
+    for name in FIX_NAMES.values():
+        unregister(name)
+
+
+def fixes() -> dict:
+    """The registered fix objects by name (empty before setup)."""
+    return dict(_fixes)
 
 
 PATCH = Patch(
@@ -149,6 +259,9 @@ PATCH = Patch(
     remove_when="vLLM captures every reachable uniform decode shape by default, warns on and "
                 "exports eager/PIECEWISE fallbacks by reason, and model runner V2 disables "
                 "capture after capture_model",
-    setup=_setup,
-    teardown=_teardown,
+    changes=(DISPATCH, DESCRIPTOR, GATES, CAPTURE_LOCK, PLATFORM, *PLATFORM_BINDINGS,
+             *PLAN_RUNNER),
+    uses=USES,
+    setup=install_fixes,
+    teardown=remove_fixes,
 )

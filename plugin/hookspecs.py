@@ -87,36 +87,43 @@ def kvguard_startup_report(vllm_config, kv_cache_config):
 # Startup hooks run once per KV-cache (re)initialisation of a model runner (V1
 # ``gpu_model_runner.GPUModelRunner`` and its CPU subclass, V2 ``gpu.model_runner``). The
 # runtime dispatch path calls no hook unless a batch the configuration meant to graph
-# falls back (``kvguard_cudagraph_fallback``).
+# falls back (``kvguard_cudagraph_fallback``). The project's impls are the objects in
+# :mod:`vllm_kvguard.fixes.cudagraph_hooks`, built and registered by the cudagraph patch.
 @hookspec
 def kvguard_cudagraph_before_kv_init(runner, kv_cache_config, is_profiling):
     """``runner.initialize_kv_cache(kv_cache_config)`` is about to run: the capture
     sizes can still change (attention builders and graph keys are built inside it).
-    The capture-completion point (:mod:`vllm_kvguard.fixes.coverage`)."""
+    Ours: capture completion when ``KVGUARD_CUDAGRAPH_COMPLETE`` is on and this is not a
+    profiling pass (:func:`vllm_kvguard.fixes.planner.complete`)."""
 
 
 @hookspec
 def kvguard_cudagraph_after_kv_init(runner, kv_cache_config, is_profiling):
     """``runner.initialize_kv_cache`` returned: the graph keys exist (not captured yet).
-    The coverage-audit and padding-target point."""
+    Ours: the worker's padding-id check, and outside profiling one coverage table
+    (:func:`vllm_kvguard.fixes.coverage.audit`), logged on the first rank."""
 
 
 @hookspec
 def kvguard_cudagraph_before_capture(runner, profile_only):
-    """``runner.capture_model`` is about to run (V2: re-allow capture for it)."""
+    """``runner.capture_model`` is about to run. Ours: on a V2 runner, capture is allowed
+    again for it (the capture lock is lifted)."""
 
 
 @hookspec
 def kvguard_cudagraph_captured(runner, profile_only):
-    """``runner.capture_model`` returned: arm runtime accounting (and, for V2, disable
-    further capture) unless ``profile_only``."""
+    """``runner.capture_model`` returned. Ours, unless ``profile_only``: arm the runtime
+    fallback accounting on the runner's graph owner, and on a V2 runner disable further
+    capture (as V1 does)."""
 
 
 @hookspec
 def kvguard_cudagraph_reinit(worker, phase, error):
     """KV re-initialisation around the plugin's state: ``phase`` is ``"suspend"``
-    (before ``Worker.sleep``) or ``"resume"`` (after ``Worker.wake_up``); ``error`` is the
-    exception the host call raised, or None."""
+    (before ``Worker.sleep``) or ``"resume"`` (after ``Worker.wake_up``, also when it
+    raised); ``error`` is the exception the host call raised, or None. Ours: suspend the
+    armed accounting; on resume re-install it (or release it with one warning) and, if
+    ``wake_up`` succeeded, re-check the padding ids."""
 
 
 @hookspec
@@ -126,7 +133,8 @@ def kvguard_block_pool_ready(pool):
 
 @hookspec
 def kvguard_cudagraph_fallback(owner, reason, mode, num_tokens, detail):
-    """A batch the configuration meant to graph ran ``mode`` (eager ``NONE`` or
-    ``PIECEWISE``) on ``owner`` (a V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager``),
-    for ``reason`` (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``detail`` is a
-    short text. Called on the fallback path only (never for a graphed batch)."""
+    """A batch the configuration meant to graph ran ``mode`` (``"NONE"``, eager, or
+    ``"PIECEWISE"``) on ``owner`` (a V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager``),
+    for ``reason`` (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``num_tokens`` is
+    the batch's token count and ``detail`` a short text. Called on the fallback path only
+    (never for a graphed batch). Ours counts it and warns once per reason."""

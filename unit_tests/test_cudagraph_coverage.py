@@ -1,6 +1,6 @@
 """Startup coverage audit and capture completion on real vLLM config and dispatcher objects.
 
-Configs come from ``coverage.plan_config``: vLLM's own ``EngineArgs`` + ``_set_cudagraph_sizes``
+Configs come from ``plan.plan_config``: vLLM's own ``EngineArgs`` + ``_set_cudagraph_sizes``
 + ``resolve_cudagraph_mode_and_sizes`` as on a CUDA GPU. Graph keys are built by the real
 V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager._init_candidates``; nothing is captured.
 """
@@ -13,10 +13,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_kvguard.fixes import coverage  # noqa: E402
-from vllm_kvguard.testing.cg_fixtures import (NGRAM3, plan,  # noqa: E402,F401
-                                              vllm_logging_configured)  # fixture: autouse
+from vllm_kvguard.fixes import coverage, graph_owners, planner  # noqa: E402
+from vllm_kvguard.patches import cudagraph  # noqa: E402
+from vllm_kvguard.flags import read_flags  # noqa: E402
+from vllm_kvguard.tools import plan as planning  # noqa: E402
 from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
+
+from vllm_kvguard.testing.cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
 
 
 
@@ -33,7 +36,7 @@ def worked_v1():
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_worked_example_uncovered_129_to_256(runner):
     vc = plan(runner)
-    cov = coverage.audit(coverage.plan_owner(vc, runner))
+    cov = coverage.audit(planning.plan_owner(vc, runner))
     row = cov.row(q=4)
     ceiling = vc.compilation_config.max_cudagraph_capture_size
     gap = (f"{runner}, k=3, max_num_seqs=256, default sizes: capture max {ceiling} tokens, "
@@ -55,10 +58,10 @@ def test_worked_example_uncovered_129_to_256(runner):
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_suggested_setting_covers_the_gap(runner):
     """The fix names a setting; vLLM's own sizing with that setting covers every shape."""
-    row = coverage.audit(coverage.plan_owner(plan(runner), runner)).row(q=4)
+    row = coverage.audit(planning.plan_owner(plan(runner), runner)).row(q=4)
     assert row.fix_setting == {"max_cudagraph_capture_size": 1024}
     vc = plan(runner, compilation_config=row.fix_setting)
-    fixed = coverage.audit(coverage.plan_owner(vc, runner)).row(q=4)
+    fixed = coverage.audit(planning.plan_owner(vc, runner)).row(q=4)
     assert fixed.ok and fixed.covered == 256
 
 
@@ -68,16 +71,16 @@ def test_suggestion_when_no_bare_max_covers():
     bare max covers 300 requests: the verified fix is an explicit list."""
     k2 = {**NGRAM3, "num_speculative_tokens": 2}
     vc = plan(max_num_seqs=300, speculative_config=k2)
-    row = coverage.audit(coverage.plan_owner(vc)).row(q=3)
+    row = coverage.audit(planning.plan_owner(vc)).row(q=3)
     assert row.first_gap is not None
     for bare in (900, 912):
         vc = plan(max_num_seqs=300, speculative_config=k2,
                   compilation_config={"max_cudagraph_capture_size": bare})
-        assert not coverage.audit(coverage.plan_owner(vc)).row(q=3).ok
+        assert not coverage.audit(planning.plan_owner(vc)).row(q=3).ok
     assert set(row.fix_setting) == {"cudagraph_capture_sizes"}
     assert "cudagraph_capture_sizes=" in row.fix
     vc = plan(max_num_seqs=300, speculative_config=k2, compilation_config=row.fix_setting)
-    assert coverage.audit(coverage.plan_owner(vc)).row(q=3).ok
+    assert coverage.audit(planning.plan_owner(vc)).row(q=3).ok
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -89,7 +92,7 @@ def test_explicit_max_is_truncated_below_the_widest_decode(runner):
     vc = plan(runner, max_num_seqs=6, speculative_config=k6,
               compilation_config={"max_cudagraph_capture_size": 42})
     resolved = vc.compilation_config.max_cudagraph_capture_size
-    row = coverage.audit(coverage.plan_owner(vc, runner)).row(q=7)
+    row = coverage.audit(planning.plan_owner(vc, runner)).row(q=7)
     record_defect("cudagraph", "vllm#54933", present=resolved < 42 and row.first_gap is not None,
                   detail=f"{runner}, k=6, max_num_seqs=6, max_cudagraph_capture_size=42 -> "
                          f"{resolved}; decodes of {gaps(row)} requests "
@@ -101,7 +104,7 @@ def test_explicit_max_is_truncated_below_the_widest_decode(runner):
         assert row.gap_mode == "NONE"
         fixed = plan(runner, max_num_seqs=6, speculative_config=k6,
                      compilation_config=row.fix_setting)
-        assert coverage.audit(coverage.plan_owner(fixed, runner)).row(q=7).ok
+        assert coverage.audit(planning.plan_owner(fixed, runner)).row(q=7).ok
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -110,7 +113,7 @@ def test_max_num_seqs_off_the_grid_without_speculation(runner):
     8). Where vLLM sizes FULL decode graphs up to its grid below 250 (248), decodes of
     249-250 requests pad to a size with no FULL graph and run PIECEWISE."""
     vc = plan(runner, mode="FULL_AND_PIECEWISE", max_num_seqs=250, speculative_config=None)
-    row = coverage.audit(coverage.plan_owner(vc, runner)).row(q=1)
+    row = coverage.audit(planning.plan_owner(vc, runner)).row(q=1)
     record_defect("cudagraph", "vllm#57355", present=row.first_gap is not None,
                   detail=f"{runner}, max_num_seqs=250, no spec: decodes of "
                          f"{gaps(row)} requests without a FULL graph"
@@ -138,7 +141,7 @@ def test_vllm_itself_does_not_warn_about_the_gap():
     vllm_logger.addHandler(handler)
     try:
         vc = plan()
-        row = coverage.audit(coverage.plan_owner(vc)).row(q=4)
+        row = coverage.audit(planning.plan_owner(vc)).row(q=4)
     finally:
         vllm_logger.removeHandler(handler)
     about = [m for m in handler.messages if re.search(r"graph|captur", m, re.IGNORECASE)]
@@ -152,12 +155,12 @@ def test_vllm_itself_does_not_warn_about_the_gap():
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_completion_covers_worked_example(runner):
     vc = plan(runner)
-    result = coverage.complete(coverage.PlanRunner(vc, runner), None)
+    result = planner.complete(planning.PlanRunner(vc, runner), None)
     assert not result.skipped
     assert result.added[0] == 136 * 4 and result.added[-1] == 1024
     assert result.extra_graphs > 0
     assert vc.compilation_config.max_cudagraph_capture_size == 1024
-    cov = coverage.audit(coverage.plan_owner(vc, runner))
+    cov = coverage.audit(planning.plan_owner(vc, runner))
     assert cov.row(q=4).ok and cov.row(q=4).covered == 256
     assert cov.graphs == result.graphs_after
 
@@ -165,7 +168,7 @@ def test_completion_covers_worked_example(runner):
 def test_completion_skips_when_every_shape_is_covered():
     vc = plan(max_num_seqs=64)                      # 64 x 4 = 256 <= 512
     before = list(vc.compilation_config.cudagraph_capture_sizes)
-    result = coverage.complete(coverage.PlanRunner(vc, "v1"), None)
+    result = planner.complete(planning.PlanRunner(vc, "v1"), None)
     assert result.skipped.startswith("every reachable")
     assert result.extra_graphs == 0
     assert vc.compilation_config.cudagraph_capture_sizes == before
@@ -174,24 +177,24 @@ def test_completion_skips_when_every_shape_is_covered():
 def test_completion_keeps_an_explicit_list_unless_forced():
     sizes = [4, 8, 16, 32, 64, 128]
     vc = plan(compilation_config={"cudagraph_capture_sizes": sizes})
-    result = coverage.complete(coverage.PlanRunner(vc, "v1"), None)
+    result = planner.complete(planning.PlanRunner(vc, "v1"), None)
     assert "explicitly" in result.skipped
     assert vc.compilation_config.cudagraph_capture_sizes == sizes
-    forced = coverage.complete(coverage.PlanRunner(vc, "v1"), None, force=True)
+    forced = planner.complete(planning.PlanRunner(vc, "v1"), None, force=True)
     assert not forced.skipped and forced.extra_graphs > 0
-    assert coverage.audit(coverage.plan_owner(vc)).row(q=4).ok
+    assert coverage.audit(planning.plan_owner(vc)).row(q=4).ok
 
 
 def test_bare_max_is_not_an_explicit_list():
     """A user max (vllm#54933 style) derives the list: completion may extend it."""
     vc = plan(compilation_config={"max_cudagraph_capture_size": 256})
-    assert not coverage.explicit_sizes(vc, v2=False)
+    assert not planner.explicit_sizes(vc, v2=False)
 
 
 def test_kv_capacity_bounds_reachable_shapes():
     """Shapes the KV cache can never hold are not reported as gaps."""
     vc = plan()
-    owner = coverage.plan_owner(vc)
+    owner = planning.plan_owner(vc)
     cov = coverage.audit(owner, kv_decodes=100)
     row = cov.row(q=4)
     assert row.family.hi == 100 and row.family.limit == "KV cache" and row.ok
@@ -210,13 +213,13 @@ def test_kv_decodes_from_the_reserved_block_model():
 
 def test_token_budget_bounds_reachable_shapes():
     vc = plan(max_num_batched_tokens=400)
-    row = coverage.audit(coverage.plan_owner(vc)).row(q=4)
+    row = coverage.audit(planning.plan_owner(vc)).row(q=4)
     assert row.family.hi == 100 and row.family.limit.startswith("token budget")
 
 
 def test_zero_draft_steps_are_a_family_for_ngram():
     vc = plan()
-    row = coverage.audit(coverage.plan_owner(vc)).row(q=1)
+    row = coverage.audit(planning.plan_owner(vc)).row(q=1)
     assert row.family.no_draft
     assert row.gap_mode == "NONE" and "FULL_AND_PIECEWISE" in row.fix   # V1 FULL_DECODE_ONLY
 
@@ -224,7 +227,7 @@ def test_zero_draft_steps_are_a_family_for_ngram():
 def test_eager_config_has_nothing_to_cover():
     vc = plan(mode="FULL_DECODE_ONLY")
     vc.compilation_config.cudagraph_mode = vc.compilation_config.cudagraph_mode.NONE
-    owner = coverage.v1_probe(vc, vc.compilation_config.cudagraph_mode, 4)
+    owner = graph_owners.v1_probe(vc, vc.compilation_config.cudagraph_mode, 4)
     cov = coverage.audit(owner)
     assert cov.rows == [] and cov.ok
     assert "nothing to cover" in coverage.format_table(cov)
@@ -241,22 +244,23 @@ def test_v2_probe_matches_the_real_constructor(mocker):
                         return_value=None, create=True)                     # needs a GPU
     mode = vc.compilation_config.cudagraph_mode
     real = cudagraph_utils.CudaGraphManager(vc, None, mode, 4)
-    probe = coverage.v2_probe(vc, mode, 4).obj
+    probe = graph_owners.v2_probe(vc, mode, 4).obj
     assert real._candidates == probe._candidates
     assert real._capture_descs == probe._capture_descs
     for n in (1, 100, 128, 129, 256):
         real._graphs_captured = True
-        assert coverage.V2Owner(real, vc).probe(n, 4) == coverage.V2Owner(probe, vc).probe(n, 4)
+        assert graph_owners.V2Owner(real, vc).probe(n, 4) == graph_owners.V2Owner(probe, vc).probe(n, 4)
 
 
 def test_hook_completes_only_outside_profiling(monkeypatch, kvguard_log):
     monkeypatch.setenv("KVGUARD_CUDAGRAPH_COMPLETE", "1")
+    hooks = cudagraph.build_fixes(read_flags())["coverage"]
     vc = plan()
-    runner = coverage.PlanRunner(vc, "v1")
-    coverage.kvguard_cudagraph_before_kv_init(runner=runner, kv_cache_config=None,
+    runner = planning.PlanRunner(vc, "v1")
+    hooks.kvguard_cudagraph_before_kv_init(runner=runner, kv_cache_config=None,
                                               is_profiling=True)
     assert vc.compilation_config.max_cudagraph_capture_size == 512
-    coverage.kvguard_cudagraph_before_kv_init(runner=runner, kv_cache_config=None,
+    hooks.kvguard_cudagraph_before_kv_init(runner=runner, kv_cache_config=None,
                                               is_profiling=False)
     assert vc.compilation_config.max_cudagraph_capture_size == 1024
     lines = [m for m in kvguard_log.lines() if "KVGUARD_CUDAGRAPH_COMPLETE" in m]
@@ -265,9 +269,10 @@ def test_hook_completes_only_outside_profiling(monkeypatch, kvguard_log):
 
 def test_hook_does_nothing_without_the_flag(monkeypatch):
     monkeypatch.delenv("KVGUARD_CUDAGRAPH_COMPLETE", raising=False)
+    hooks = cudagraph.build_fixes(read_flags())["coverage"]
     vc = plan()
-    coverage.kvguard_cudagraph_before_kv_init(runner=coverage.PlanRunner(vc, "v1"),
-                                              kv_cache_config=None, is_profiling=False)
+    hooks.kvguard_cudagraph_before_kv_init(runner=planning.PlanRunner(vc, "v1"),
+                                           kv_cache_config=None, is_profiling=False)
     assert vc.compilation_config.max_cudagraph_capture_size == 512
 
 
@@ -276,10 +281,10 @@ def test_audit_hook_logs_one_table(kvguard_log):
 
     class Runner:                         # the attributes the hook reads from a model runner
         vllm_config = vc
-        cudagraph_dispatcher = coverage.plan_owner(vc).obj
+        cudagraph_dispatcher = planning.plan_owner(vc).obj
 
-    coverage.kvguard_cudagraph_after_kv_init(runner=Runner(), kv_cache_config=None,
-                                             is_profiling=False)
+    cudagraph.build_fixes()["coverage"].kvguard_cudagraph_after_kv_init(
+        runner=Runner(), kv_cache_config=None, is_profiling=False)
     tables = [r for r in kvguard_log.records if "CUDA-graph coverage" in r.getMessage()]
     assert len(tables) == 1 and tables[0].levelno == logging.WARNING
     assert "129-256" in tables[0].getMessage()
@@ -288,7 +293,7 @@ def test_audit_hook_logs_one_table(kvguard_log):
 
 def test_lora_cases_are_families():
     vc = plan(enable_lora=True, max_loras=2, max_lora_rank=8)
-    cov = coverage.audit(coverage.plan_owner(vc))
+    cov = coverage.audit(planning.plan_owner(vc))
     loras = sorted({r.family.lora for r in cov.rows})
     assert loras[0] == 0 and len(loras) > 1
     assert all(r.first_gap == 129 for r in cov.rows if r.family.q == 4)
@@ -299,7 +304,7 @@ def test_lora_without_specialization_leaves_adapterless_decodes_eager():
     only for the LoRA case, so a decode batch with no active adapter runs eager."""
     vc = plan(max_num_seqs=64, speculative_config=None, enable_lora=True, max_loras=2,
               max_lora_rank=8, compilation_config={"cudagraph_specialize_lora": False})
-    cov = coverage.audit(coverage.plan_owner(vc))
+    cov = coverage.audit(planning.plan_owner(vc))
     plain = cov.row(q=1, lora=0)
     assert plain.covered == 0 and plain.reason == "lora"
     assert "cudagraph_specialize_lora=true" in plain.fix

@@ -3,7 +3,7 @@
 V1: a real ``CudagraphDispatcher`` whose keys vLLM built for the worked example, called
 through the real ``GPUModelRunner._determine_batch_execution_and_padding`` (the runner
 object is created without ``__init__``, which needs a GPU; it carries only what that method
-reads). V2: a real ``CudaGraphManager`` candidate table (``coverage.v2_probe``) marked as
+reads). V2: a real ``CudaGraphManager`` candidate table (``graph_owners.v2_probe``) marked as
 captured. The only mocks replace DP collectives.
 """
 from __future__ import annotations
@@ -17,20 +17,30 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard import report  # noqa: E402
-from vllm_kvguard.fixes import coverage, fallbacks  # noqa: E402
-from vllm_kvguard.testing.cg_fixtures import (NGRAM3, plan,  # noqa: E402,F401
-                                              vllm_logging_configured)  # fixture: autouse
+from vllm_kvguard.fixes import fallbacks, graph_owners  # noqa: E402
+from vllm_kvguard.patches import cudagraph  # noqa: E402
+from vllm_kvguard.tools import plan as planning  # noqa: E402
+
+from vllm_kvguard.testing.cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
 
 
 
 @pytest.fixture(autouse=True)
 def fixes_registered():
     """The hookimpls the patch registers on apply (counting, warning, metrics)."""
-    from vllm_kvguard import fixes
+    built = cudagraph.install_fixes()
+    yield built
+    cudagraph.remove_fixes()
 
-    fixes.register_cudagraph_fixes()
-    yield
-    fallbacks.disarm_all()
+
+def hooks():
+    """The fallback hookimpls the patch registered."""
+    return cudagraph.fixes()["fallbacks"]
+
+
+def acct():
+    """The runtime accounting those hookimpls drive."""
+    return hooks().accounting
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,7 @@ def warnings(log) -> list[str]:
 
 
 def v1_runner(vc, dp_size=1):
-    return coverage.plan_v1_runner(vc, dp_size)
+    return planning.plan_v1_runner(vc, dp_size)
 
 
 def step(runner, per_request: list[int], **kw):
@@ -67,8 +77,8 @@ def step(runner, per_request: list[int], **kw):
 
 def armed_v1(vc, **kw):
     runner = v1_runner(vc, **kw)
-    owner = coverage.V1Owner(runner.cudagraph_dispatcher, vc)
-    assert fallbacks.arm(runner, owner)
+    owner = graph_owners.V1Owner(runner.cudagraph_dispatcher, vc)
+    assert acct().arm(runner, owner)
     return runner
 
 
@@ -141,8 +151,8 @@ def test_v1_lora_case_without_graph(kvguard_log):
 def test_eager_owner_is_not_armed(fdo):
     vc = plan()
     none = type(vc.compilation_config.cudagraph_mode).NONE
-    owner = coverage.v1_probe(vc, none, 4)          # what the CPU backend builds
-    assert not fallbacks.arm(None, owner)
+    owner = graph_owners.v1_probe(vc, none, 4)          # what the CPU backend builds
+    assert not acct().arm(None, owner)
     assert "dispatch" not in vars(owner.obj)
     assert owner.obj.dispatch(520, uniform_decode=True)[0] == none
     assert counts() == {}
@@ -172,17 +182,17 @@ def test_unknown_signature_is_not_armed(fdo, kvguard_log):
         def dispatch(self, num_tokens, *, batch=None):     # a future signature
             return super().dispatch(num_tokens)
 
-    d = coverage.plan_owner(fdo).obj
+    d = planning.plan_owner(fdo).obj
     d.__class__ = Changed
-    assert not fallbacks.arm(None, coverage.V1Owner(d, fdo))
+    assert not acct().arm(None, graph_owners.V1Owner(d, fdo))
     assert any("signature" in m for m in kvguard_log.lines(logging.WARNING))
 
 
 # ----------------------------------------------------------------------------- V2
 def armed_v2(vc):
-    owner = coverage.plan_owner(vc, "v2")
+    owner = planning.plan_owner(vc, "v2")
     owner.obj._graphs_captured = True
-    assert fallbacks.arm(None, owner)
+    assert acct().arm(None, owner)
     return owner.obj
 
 
@@ -192,7 +202,7 @@ def fdo_v2():
 
 
 def v2(manager, num_reqs, num_tokens, uniform, max_query_len):
-    if coverage._v2_takes_max_query_len(type(manager)):
+    if graph_owners.takes_max_query_len(type(manager)):
         return manager.dispatch(num_reqs, num_tokens, uniform, 0,
                                 max_query_len=max_query_len).cg_mode.name
     return manager.dispatch(num_reqs, num_tokens, uniform, num_active_loras=0).cg_mode.name
@@ -205,7 +215,7 @@ def test_v2_reasons(fdo_v2, kvguard_log):
     assert v2(m, 10, 10, 1, 1) == "NONE"                     # a zero-draft (skip_drafts) step
     assert v2(m, 2, 600, None, None) == "NONE"               # a prefill: not a fallback
     expected = {"over_max_capture_size": 1, "not_captured_for_draft_length": 1}
-    if coverage._v2_takes_max_query_len(type(m)):
+    if graph_owners.takes_max_query_len(type(m)):
         assert v2(m, 10, 25, None, 4) == "NONE"              # ragged decode
         expected["non_uniform_drafts"] = 1
     assert counts() == expected
@@ -228,11 +238,11 @@ def test_v2_graphed_batches_go_through_untouched(fdo_v2):
     real_cls = cudagraph_utils.BatchExecutionDescriptor
     m = armed_v2(fdo_v2)
     assert "dispatch" not in vars(m)
-    kw = {"max_query_len": 4} if coverage._v2_takes_max_query_len(type(m)) else {}
+    kw = {"max_query_len": 4} if graph_owners.takes_max_query_len(type(m)) else {}
     desc = m.dispatch(100, 400, 4, 0, **kw)
     assert any(desc is d for d in m._candidates[(400, 0)])
     assert isinstance(desc, cudagraph_utils.BatchExecutionDescriptor)   # a transparent stand-in
-    fallbacks.disarm_all()
+    acct().disarm_all()
     assert cudagraph_utils.BatchExecutionDescriptor is real_cls
 
 
@@ -242,13 +252,13 @@ def fap_v2():
 
 
 def test_v2_full_and_piecewise_counts_fall_through_to_piecewise(fap_v2, kvguard_log):
-    owner = coverage.plan_owner(fap_v2, "v2")
+    owner = planning.plan_owner(fap_v2, "v2")
     m = owner.obj
-    if not coverage._v2_takes_max_query_len(type(m)):
+    if not graph_owners.takes_max_query_len(type(m)):
         pytest.skip("0.27.1 does not tell ragged decodes from prefills")
     keys_before = {k: list(v) for k, v in m._candidates.items()}
     m._graphs_captured = True
-    assert fallbacks.arm(None, owner)
+    assert acct().arm(None, owner)
     assert {k: list(v) for k, v in m._candidates.items()} != keys_before    # gates in
     assert v2(m, 100, 400, 4, 4) == "FULL"
     assert v2(m, 3, 300, None, None) == "PIECEWISE"          # mixed: PIECEWISE intended
@@ -259,7 +269,7 @@ def test_v2_full_and_piecewise_counts_fall_through_to_piecewise(fap_v2, kvguard_
     assert counts() == {"non_uniform_drafts": 1, "not_captured_for_draft_length": 1,
                         "over_max_capture_size": 1}
     assert any("ran PIECEWISE (non_uniform_drafts" in w for w in warnings(kvguard_log))
-    fallbacks.disarm_all()
+    acct().disarm_all()
     assert {k: list(v) for k, v in m._candidates.items()} == keys_before   # gates removed
 
 
@@ -284,7 +294,7 @@ def test_v2_dp_sync_forced(fdo_v2, mocker):
     agreement.__signature__ = inspect.signature(real)
     mocker.patch.object(dp_utils, "sync_cudagraph_and_dp_padding",
                         KvguardWrapper(agreement, cudagraph.sync_cudagraph_and_dp_padding))
-    kw = {"max_query_len": 4} if coverage._v2_takes_max_query_len(type(m)) else {}
+    kw = {"max_query_len": 4} if graph_owners.takes_max_query_len(type(m)) else {}
     desc, _ = dp_utils.dispatch_cg_and_sync_dp(m, 10, 40, 4, 2, 0, **kw)
     assert desc.cg_mode.name == "NONE"
     assert counts() == {"dp_sync_forced": 1}
@@ -294,11 +304,11 @@ def test_v2_dp_sync_forced(fdo_v2, mocker):
 def test_sleep_suspends_and_wake_resumes(fdo):
     runner = armed_v1(fdo)
     worker = SimpleNamespace(model_runner=runner)
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
     assert "dispatch" not in vars(runner.cudagraph_dispatcher)
     assert step(runner, [4] * 130) == "NONE"
     assert counts() == {}
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="resume", error=None)
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="resume", error=None)
     assert step(runner, [4] * 130) == "NONE"
     assert counts() == {"over_max_capture_size": 1}
 
@@ -307,26 +317,26 @@ def test_resume_releases_when_the_owner_was_rebuilt(fdo, kvguard_log):
     runner = armed_v1(fdo)
     old = runner.cudagraph_dispatcher
     worker = SimpleNamespace(model_runner=runner)
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
-    runner.cudagraph_dispatcher = coverage.plan_owner(fdo).obj     # re-initialised
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="resume", error=None)
-    assert "dispatch" not in vars(old) and fallbacks.armed_owners() == []
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
+    runner.cudagraph_dispatcher = planning.plan_owner(fdo).obj     # re-initialised
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="resume", error=None)
+    assert "dispatch" not in vars(old) and acct().armed_owners() == []
     assert any("released" in m for m in kvguard_log.lines(logging.WARNING))
-    fallbacks.kvguard_cudagraph_captured(runner=runner, profile_only=False)   # next capture
-    assert fallbacks.armed_owners() == [runner.cudagraph_dispatcher]
+    hooks().kvguard_cudagraph_captured(runner=runner, profile_only=False)   # next capture
+    assert acct().armed_owners() == [runner.cudagraph_dispatcher]
 
 
 def test_resume_after_a_failed_wake_up_releases(fdo):
     runner = armed_v1(fdo)
     worker = SimpleNamespace(model_runner=runner)
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
-    fallbacks.kvguard_cudagraph_reinit(worker=worker, phase="resume", error=OSError("cumem"))
-    assert fallbacks.armed_owners() == [] and "dispatch" not in vars(runner.cudagraph_dispatcher)
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="resume", error=OSError("cumem"))
+    assert acct().armed_owners() == [] and "dispatch" not in vars(runner.cudagraph_dispatcher)
 
 
 def test_profile_capture_does_not_arm(fdo):
     runner = v1_runner(fdo)
-    fallbacks.kvguard_cudagraph_captured(runner=runner, profile_only=True)
-    assert fallbacks.armed_owners() == []
-    fallbacks.kvguard_cudagraph_captured(runner=runner, profile_only=False)
-    assert fallbacks.armed_owners() == [runner.cudagraph_dispatcher]
+    hooks().kvguard_cudagraph_captured(runner=runner, profile_only=True)
+    assert acct().armed_owners() == []
+    hooks().kvguard_cudagraph_captured(runner=runner, profile_only=False)
+    assert acct().armed_owners() == [runner.cudagraph_dispatcher]

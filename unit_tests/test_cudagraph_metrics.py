@@ -91,9 +91,9 @@ def test_vllm_prometheus_logger_has_no_cudagraph_mode_counter():
     pytest.importorskip("vllm")
     from vllm.v1.metrics import loggers
 
-    from vllm_kvguard.fixes import coverage
+    from vllm_kvguard.tools.plan import plan_config
 
-    vc = coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
+    vc = plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
     vc.observability_config.cudagraph_metrics = True
     reg = prometheus_client.REGISTRY
     before = dict(reg._names_to_collectors)

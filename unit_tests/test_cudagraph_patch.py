@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 from vllm_kvguard import activation  # noqa: E402
 from vllm_kvguard.fixes import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
+from vllm_kvguard.tools.plan import plan_config, plan_owner  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
 from vllm_kvguard.testing.cg_fixtures import (NGRAM3,  # noqa: E402,F401
                                               vllm_logging_configured)  # fixture: autouse
@@ -70,15 +71,15 @@ def v1_runner(vc):
 
 def test_kv_init_wrapper_completes_before_and_audits_after(kvguard_log):
     activate(KVGUARD_CUDAGRAPH_COMPLETE="1")
-    vc = coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=256,
-                              max_num_batched_tokens=8192, speculative_config=NGRAM3)
+    vc = plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=256,
+                     max_num_batched_tokens=8192, speculative_config=NGRAM3)
     runner = v1_runner(vc)
     seen = {}
 
     def host_initialize_kv_cache(kv_cache_config, is_profiling=False):
         # What vLLM does inside: attention builders and graph keys read the sizes now.
         seen["max"] = vc.compilation_config.max_cudagraph_capture_size
-        runner.cudagraph_dispatcher = coverage.plan_owner(vc).obj
+        runner.cudagraph_dispatcher = plan_owner(vc).obj
 
     cudagraph.initialize_kv_cache(host_initialize_kv_cache, runner, (None,), {})
     assert seen["max"] == 1024                      # completed before the host call
@@ -88,8 +89,8 @@ def test_kv_init_wrapper_completes_before_and_audits_after(kvguard_log):
 
 def test_kv_init_profiling_pass_is_left_alone(kvguard_log):
     activate(KVGUARD_CUDAGRAPH_COMPLETE="1")
-    vc = coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=256,
-                              max_num_batched_tokens=8192, speculative_config=NGRAM3)
+    vc = plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=256,
+                     max_num_batched_tokens=8192, speculative_config=NGRAM3)
     runner = v1_runner(vc)
     cudagraph.initialize_kv_cache(lambda kv, is_profiling=False: None, runner, (None,),
                                   {"is_profiling": True})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvguard.fixes import coverage
+from vllm_kvguard.tools.plan import plan_config
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -18,11 +18,11 @@ NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3
 def vllm_logging_configured():
     """vLLM configures logging on its first config build in a process and that resets the
     handlers of its child loggers (ours): let it happen before a test captures our log."""
-    coverage.plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
+    plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
 
 
 def plan(runner="v1", mode="FULL_DECODE_ONLY", **kw):
     kw.setdefault("max_num_seqs", 256)
     kw.setdefault("max_num_batched_tokens", 8192)
     kw.setdefault("speculative_config", NGRAM3)
-    return coverage.plan_config(cudagraph_mode=mode, runner=runner, **kw)
+    return plan_config(cudagraph_mode=mode, runner=runner, **kw)
