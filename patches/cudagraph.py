@@ -77,6 +77,11 @@ GATES = ContainerItem(
     V2_GRAPHS, "CudaGraphManager", "_candidates",
     why="V2 fallback accounting: a gate between the FULL decode and PIECEWISE descriptors "
         "of a candidate list sees a FULL -> PIECEWISE fall-through and never matches")
+CAPTURE_SIZES = tuple(
+    InstanceAttr("vllm.config.compilation", "CompilationConfig", name, overwrite=True,
+                 why="KVGUARD_CUDAGRAPH_COMPLETE: the capture sizes extended to every "
+                     "reachable uniform decode shape, before graph keys are built")
+    for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"))
 CAPTURE_LOCK = ModuleGlobal(
     "vllm.compilation.monitor", "cudagraph_capturing_enabled",
     why="V2 capture lock: off after a non-profile capture_model (as V1 does), on around the "
@@ -206,7 +211,8 @@ def build_fixes(flags: Flags | None = None) -> dict:
     from vllm_kvguard.fixes.fallbacks import Accounting
 
     flags = flags or Flags()
-    return {"coverage": CoverageHooks(CAPTURE_LOCK, complete=flags.cudagraph_complete,
+    return {"coverage": CoverageHooks(CAPTURE_LOCK, CAPTURE_SIZES,
+                                      complete=flags.cudagraph_complete,
                                       complete_force=flags.cudagraph_complete_force),
             "fallbacks": FallbackHooks(Accounting(DISPATCH, DESCRIPTOR, GATES))}
 
@@ -259,7 +265,8 @@ PATCH = Patch(
     remove_when="vLLM captures every reachable uniform decode shape by default, warns on and "
                 "exports eager/PIECEWISE fallbacks by reason, and model runner V2 disables "
                 "capture after capture_model",
-    changes=(DISPATCH, DESCRIPTOR, GATES, CAPTURE_LOCK, PLATFORM, *PLATFORM_BINDINGS,
+    changes=(DISPATCH, DESCRIPTOR, GATES, CAPTURE_LOCK, *CAPTURE_SIZES, PLATFORM,
+             *PLATFORM_BINDINGS,
              *PLAN_RUNNER),
     uses=USES,
     setup=install_fixes,

@@ -206,23 +206,33 @@ class _Change:
 
 class InstanceAttr(_Change):
     """An attribute of ``module:qualname`` (a class) set on single instances at run time,
-    shadowing the class attribute for that object only."""
+    shadowing the class attribute for that object only; with ``overwrite`` a value the
+    instance already owns (a config field) is replaced, and restored on revert."""
 
     kind = "instance attribute"
 
+    def __init__(self, module: str, qualname: str, attr: str, why: str,
+                 required: bool = True, overwrite: bool = False):
+        super().__init__(module, qualname, attr, why, required)
+        self.overwrite = overwrite
+
     def set(self, obj, value) -> bool:
-        """Give ``obj`` the instance attribute; False when it already has one not ours."""
+        """Give ``obj`` the instance attribute; False when it already has one not ours
+        (unless ``overwrite``)."""
         ledger = self._ledger()
         key = (self, id(obj))
         entry = ledger.get(key)
+        prior = _MISSING
         if entry is None and has_own(obj, self.attr):
-            return False
-        object.__setattr__(obj, self.attr, value)
-        if entry is None:
-            ref = weakref.ref(obj, lambda _r, k=key: ledger.pop(k, None))
-            ledger[key] = (self._undo, ref, value)
-        else:
-            ledger[key] = (self._undo, entry[1], value)
+            if not self.overwrite:
+                return False
+            prior = getattr(obj, self.attr)
+        elif entry is not None:
+            prior = entry[2][1]
+        (setattr if self.overwrite else object.__setattr__)(obj, self.attr, value)
+        ref = entry[1] if entry is not None else weakref.ref(
+            obj, lambda _r, k=key: ledger.pop(k, None))
+        ledger[key] = (self._undo, ref, (value, prior))
         return True
 
     def get(self, obj, default=None):
@@ -230,17 +240,22 @@ class InstanceAttr(_Change):
         entry = self._ledger().get((self, id(obj)))
         if entry is None or entry[1]() is not obj:
             return default
-        return entry[2] if getattr(obj, self.attr, _MISSING) is entry[2] else default
+        value = entry[2][0]
+        return value if getattr(obj, self.attr, _MISSING) is value else default
 
     def unset(self, obj) -> bool:
         entry = self._ledger().pop((self, id(obj)), None)
         return entry is not None and self._undo(entry[1], entry[2])
 
-    def _undo(self, ref, value) -> bool:
+    def _undo(self, ref, data) -> bool:
         obj = ref()
+        value, prior = data
         if obj is None or getattr(obj, self.attr, _MISSING) is not value:
             return False
-        object.__delattr__(obj, self.attr)
+        if prior is _MISSING:
+            object.__delattr__(obj, self.attr)
+        else:
+            setattr(obj, self.attr, prior)
         return True
 
     def objects(self) -> list:

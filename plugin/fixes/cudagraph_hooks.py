@@ -35,11 +35,14 @@ class CoverageHooks:
 
     ``capture_lock`` is the declared ``ModuleGlobal`` on
     ``vllm.compilation.monitor.cudagraph_capturing_enabled``; ``complete`` and
-    ``complete_force`` are ``Flags.cudagraph_complete`` / ``cudagraph_complete_force``.
+    ``complete_force`` are ``Flags.cudagraph_complete`` / ``cudagraph_complete_force``;
+    ``capture_sizes`` the declared ``CompilationConfig`` fields completion extends.
     """
 
-    def __init__(self, capture_lock, complete: bool = False, complete_force: bool = False):
+    def __init__(self, capture_lock, capture_sizes=(), complete: bool = False,
+                 complete_force: bool = False):
         self.capture_lock = capture_lock
+        self.capture_sizes = capture_sizes      # InstanceAttr: sizes, max size
         self.complete = complete
         self.complete_force = complete_force
 
@@ -47,7 +50,8 @@ class CoverageHooks:
     def kvguard_cudagraph_before_kv_init(self, runner, kv_cache_config, is_profiling):
         if not self.complete or is_profiling:
             return
-        result = planner.complete(runner, kv_cache_config, force=self.complete_force)
+        result = planner.complete(runner, kv_cache_config, force=self.complete_force,
+                                  fields=self.capture_sizes)
         if result is None:
             return
         if result.skipped:

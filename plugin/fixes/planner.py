@@ -177,9 +177,12 @@ class Completion:
         return self.graphs_after - self.graphs_before
 
 
-def complete(runner, kv_cache_config, *, force: bool = False) -> Completion | None:
+def complete(runner, kv_cache_config, *, force: bool = False,
+             fields=()) -> Completion | None:
     """Extend the capture sizes so every reachable uniform decode has a graph (see the
-    module docstring). Returns what was done, or None when there are no graphs at all."""
+    module docstring). ``fields``: the patch's declarations of the two config fields
+    written (sizes, max size); without them the fields are set directly. Returns what was
+    done, or None when there are no graphs at all."""
     vc = runner.vllm_config
     cc = vc.compilation_config
     mode = cc.cudagraph_mode
@@ -204,8 +207,12 @@ def complete(runner, kv_cache_config, *, force: bool = False) -> Completion | No
                           "cudagraph_capture_sizes was set explicitly; kept as given")
     current = sorted(cc.cudagraph_capture_sizes or [])
     added = sorted({s for r in gaps for s in completion_sizes(r, current)})
-    cc.cudagraph_capture_sizes = sorted(set(current) | set(added))
-    cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
+    sizes = sorted(set(current) | set(added))
+    if fields:
+        fields[0].set(cc, sizes)
+        fields[1].set(cc, sizes[-1])
+    else:
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
     after = _probe_like(owner, vc)
     return Completion(added, before.graphs, after.num_graphs())
 
