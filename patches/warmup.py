@@ -24,8 +24,8 @@ Targets (each declares its own range below; all optional except the scheduler's)
         -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.capacity`: one
         spec-aware table per KV-cache group (blocks per request with and without
         speculation, true maximum concurrency beside vLLM's figure, Mamba FULL-decode
-        feasibility). Upstream: none filed; vLLM's check and "Maximum concurrency" line are
-        described in vllm-internals.md §B.4/§B.5.
+        feasibility). Upstream: none filed (vLLM's own check and its "Maximum concurrency"
+        line ignore speculative blocks and the null block).
         Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
         count speculative blocks, the null block and attention groups.
 Why

@@ -278,7 +278,7 @@ def test_free_queue_order_is_restored_exactly():
     assert free_ids(m) == order
 
 
-def test_other_hookimpls_get_the_generic_path_and_still_roll_back():
+def test_another_hookimpl_gets_the_hook_path_and_still_rolls_back():
     seen = []
 
     class Observer:

@@ -3,8 +3,8 @@
 vLLM logs "Maximum concurrency for N tokens per request: X" from ``num_blocks`` (null
 block included) over per-request blocks from each spec's ``max_memory_usage_bytes``, and
 its Mamba FULL-decode check (``max_num_seqs > num_blocks``) ignores the 1+nsb / 2+nsb
-blocks a speculative Mamba sequence holds, the null block and the attention groups
-(vllm-internals.md §B.4, §B.5). This report recomputes, from the reserved-block model
+blocks a speculative Mamba sequence holds, the null block and the attention groups.
+This report recomputes, from the reserved-block model
 (:func:`vllm_kvguard.fixes.estimate.reserved_blocks`), per KV-cache group:
 
 * blocks one request holds at its peak on the way to ``max_model_len``, without and with

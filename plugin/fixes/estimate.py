@@ -1,33 +1,11 @@
 """The reserved-block model: what vLLM's scheduler-side allocator holds for one request.
 
-:func:`reserved_blocks` is ONE pure function (no vLLM state, no I/O) answering, for one
-KV-cache group spec: after ``KVCacheManager.allocate_slots`` has run for a request whose
-high-water mark is ``num_tokens`` tokens (computed + scheduled, drafts included) with
-``num_lookahead_tokens`` lookahead slots, how many block-table entries does the request
-have in that group (``table``: ``len(req_to_blocks[req])``, null entries included) and how
-many distinct pool blocks does it hold (``physical``: the non-null entries)?
-
-It mirrors, per spec type, what the managers in ``vllm/v1/core/single_type_kv_cache_manager.py``
-do (0.27.1 .. 0.33):
-
-==========================  ==================================================================
-full attention (MLA, sink)  ``cdiv(min(N + k, max_model_len), B)``, B = block_size x DCP
-sliding window              same table; ``(C - window + 1 - extra) // B`` leading entries nulled
-chunked local               same table; ``(C // chunk) * chunk // B`` leading entries nulled
-Mamba none / all            ``cdiv(min(N + k, max_model_len) + bs * nsb, B)``; ``(C - 1) // B``
-                            leading entries nulled (``C`` = tokens computed before the step)
-Mamba align                 ``cdiv(N, bs) + nsb`` entries, lookahead-free and uncapped;
-                            ``1 + nsb`` physical, ``2 + nsb`` on a step that enters a new block
-cross-attention             ``cdiv(encoder_len, B)``, static
-circular buffer             one ring block
-==========================  ==================================================================
-
-``num_computed_tokens`` (``C``) is what the request had processed before the step
-(0 for a fresh request: then ``physical == table`` except for Mamba align). The null
-block (id 0, never handed out) is accounted at pool level: a pool of ``num_blocks`` has
-``num_blocks - 1`` usable blocks. Unknown spec types return None (callers fall back to
-vLLM's own estimate); third-party hookimpls of ``kvguard_reserved_blocks`` can answer for
-custom specs (ours is ``trylast``).
+Warmup, profiling, the startup capacity report and the planner all need "how many blocks
+does a request of N tokens hold in this KV-cache group", speculative decoding included.
+:func:`reserved_blocks` answers it with one pure function per spec type that equals the
+managers' own arithmetic (a parity fuzz checks it against the real allocator on every
+pin). The null block is counted at pool level (``num_blocks - 1`` usable). Unknown specs
+return None; third-party ``kvguard_reserved_blocks`` hookimpls may answer first.
 """
 from __future__ import annotations
 
@@ -91,6 +69,21 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
                     max_model_len: int, num_encoder_tokens: int = 0, dcp: int = 1,
                     num_computed_tokens: int = 0) -> Reserved | None:
     """Blocks the allocator reserves for one request in the group of ``spec``.
+
+    Per spec type (``N`` = ``num_tokens``, ``k`` = lookahead, ``B`` = block size x DCP,
+    ``C`` = ``num_computed_tokens``, ``nsb`` = Mamba speculative blocks):
+
+    ==========================  ==========================================================
+    full attention (MLA, sink)  ``cdiv(min(N + k, max_model_len), B)``
+    sliding window              same table; ``(C - window + 1 - extra) // B`` leading nulls
+    chunked local               same table; ``(C // chunk) * chunk // B`` leading nulls
+    Mamba none / all            ``cdiv(min(N + k, max_model_len) + bs * nsb, B)``;
+                                ``(C - 1) // B`` leading nulls
+    Mamba align                 ``cdiv(N, bs) + nsb`` entries, lookahead-free, uncapped;
+                                ``1 + nsb`` physical, ``2 + nsb`` entering a new block
+    cross-attention             ``cdiv(encoder_len, B)``, static
+    circular buffer             one ring block
+    ==========================  ==========================================================
 
     ``num_tokens``: the request's high-water mark (computed + scheduled this step, drafts
     included, at most ``max_model_len``); ``num_lookahead_tokens``: the scheduler's

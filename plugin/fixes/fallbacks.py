@@ -1,34 +1,12 @@
 """Runtime CUDA-graph fallback accounting: no eager fallback is silent.
 
-Every dispatch that runs eager (``NONE``) or ``PIECEWISE`` for a batch the configuration
-meant to graph is counted by reason (``report.count("cudagraph_fallback", reason)``,
-exported as ``kvguard_cudagraph_fallbacks_total{reason=...}`` by
-:mod:`vllm_kvguard.metrics`); the first of each reason logs one warning naming the fix.
-
-Reasons (:data:`REASONS`)
-    ``over_max_capture_size``        a uniform decode wider than ``max_cudagraph_capture_size``
-    ``non_uniform_drafts``           a decode-only batch whose requests carry different draft
-                                     counts (ngram/suffix misses, drafts cut near max_tokens)
-    ``not_captured_for_draft_length`` no graph for this size at this draft length (dynamic-SD
-                                     tier, zero-draft step, a hole in an explicit size list)
-    ``lora``                         the LoRA case has no graph where the non-LoRA one has
-    ``dp_sync_forced``               another data-parallel rank ran eager, so this one did
-    ``graphs_released``              graphs were released (elastic EP) and not recaptured
-
-:class:`Accounting` decides what to install on an owner whose configuration intends
-graphs, after a non-profile ``capture_model``; it installs only through the run-time
-changes the cudagraph patch declares and passes in (so reverting the patch removes them):
-
-* V1 ``CudagraphDispatcher``: an instance ``dispatch``, a closure with the host's exact
-  signature that calls the bound original and compares the returned mode with the intended
-  one. Only a miss takes the slow path; for a non-uniform batch it reads ``num_reqs`` and
-  ``max_num_scheduled_tokens`` from the runner frame that called ``dispatch`` (found up the
-  stack by code object).
-* V2 ``CudaGraphManager``: no wrapper (a dispatch is a dict lookup); misses and
-  FULL->PIECEWISE fall-throughs are seen from inside (:mod:`vllm_kvguard.fixes.fallbacks_v2`).
-
-``Worker.sleep`` suspends (closures and gates removed), ``Worker.wake_up`` resumes: each
-record is re-validated against its owner and re-installed, or released with one warning.
+A batch the configuration meant to graph that runs eager (``NONE``) or ``PIECEWISE`` is
+counted by reason (:data:`REASONS`, exported as ``kvguard_cudagraph_fallbacks_total``) and
+the first of each reason logs one warning naming the fix. :class:`Accounting` arms an
+owner after a non-profile ``capture_model`` through the run-time changes the cudagraph
+patch declares: a V1 dispatcher gets an instance ``dispatch`` closure that takes a slow
+path only on a miss; V2 owners are seen from inside (:mod:`.fallbacks_v2`). Sleep
+suspends and wake-up re-validates the armed state.
 """
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """Model-runner-V2 kernel warmup: spec-aware, in-bounds and best-effort.
 
-vLLM's V2 warmup (``vllm/v1/worker/gpu/warmup.py``) hand-builds ``SchedulerOutput``s with
-dummy requests and block ids it picks itself. Three gaps (vllm-internals.md §A.6, §B.2):
-
-* 0.27.1 counts blocks without lookahead tokens and adds Mamba speculative blocks only
-  in align mode (vllm#51438): a Mamba group with 3 speculative blocks gets 1 block for
-  its prefill request where the allocator reserves 4.
-* every version floors its request cap at one request, so on a tight pool it can hand out
-  block ids >= ``num_blocks`` (align, k=7, max_model_len 32, block 16, 11-block pool: id 11).
-* no cleanup when a step fails: the dummy requests keep their slots, the KV connector
-  stays disabled, block 0 is not re-zeroed, and the exception aborts startup.
-
-What this does, on every version:
-
-1. dry-runs the real warmup with a recording executor to find how many dummy requests
-   fit the pool when every request holds what :func:`~vllm_kvguard.fixes.estimate.reserved_blocks`
-   says the allocator would; lowers ``max_num_seqs`` for the warmup only (a proxy runner)
-   or, if not even one request fits, skips the warmup with one warning;
-2. runs the real warmup with every ``SchedulerOutput`` rewritten on its way to the worker:
-   each dummy request's block ids follow the model (table length per group), fresh
-   distinct ids from 1, never >= ``num_blocks`` (checked before anything is sent);
-3. if a step raises, finishes every dummy request the worker saw (a ``SchedulerOutput``
-   with ``finished_req_ids``), re-enables the KV connector, re-zeroes block 0, logs one
-   warning and lets startup continue (the skip-on-failure contract). If that rollback
-   itself fails, the original error is raised.
+vLLM's V2 warmup hand-builds ``SchedulerOutput``s with dummy requests and block ids it
+picks itself. It under-counts speculative blocks on 0.27.1 (vllm#51438), can hand out a
+block id beyond the pool on a tight pool (every version: its one-request floor), and a
+failing step aborts startup with the dummy requests still held. This fix sizes the
+warmup with :func:`~vllm_kvguard.fixes.estimate.reserved_blocks`, rewrites every dummy
+request's block ids within the pool, and on a failed step finishes the dummy requests,
+restores the connector and block 0, and lets startup continue with one warning.
 """
 from __future__ import annotations
 
