@@ -36,7 +36,7 @@ def worked_v1():
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_worked_example_uncovered_129_to_256(runner):
     vc = plan(runner)
-    cov = coverage.audit(planning.plan_owner(vc, runner))
+    cov = planner.audit(planning.plan_owner(vc, runner))
     row = cov.row(q=4)
     ceiling = vc.compilation_config.max_cudagraph_capture_size
     gap = (f"{runner}, k=3, max_num_seqs=256, default sizes: capture max {ceiling} tokens, "
@@ -58,10 +58,10 @@ def test_worked_example_uncovered_129_to_256(runner):
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_suggested_setting_covers_the_gap(runner):
     """The fix names a setting; vLLM's own sizing with that setting covers every shape."""
-    row = coverage.audit(planning.plan_owner(plan(runner), runner)).row(q=4)
+    row = planner.audit(planning.plan_owner(plan(runner), runner)).row(q=4)
     assert row.fix_setting == {"max_cudagraph_capture_size": 1024}
     vc = plan(runner, compilation_config=row.fix_setting)
-    fixed = coverage.audit(planning.plan_owner(vc, runner)).row(q=4)
+    fixed = planner.audit(planning.plan_owner(vc, runner)).row(q=4)
     assert fixed.ok and fixed.covered == 256
 
 
@@ -71,16 +71,16 @@ def test_suggestion_when_no_bare_max_covers():
     bare max covers 300 requests: the verified fix is an explicit list."""
     k2 = {**NGRAM3, "num_speculative_tokens": 2}
     vc = plan(max_num_seqs=300, speculative_config=k2)
-    row = coverage.audit(planning.plan_owner(vc)).row(q=3)
+    row = planner.audit(planning.plan_owner(vc)).row(q=3)
     assert row.first_gap is not None
     for bare in (900, 912):
         vc = plan(max_num_seqs=300, speculative_config=k2,
                   compilation_config={"max_cudagraph_capture_size": bare})
-        assert not coverage.audit(planning.plan_owner(vc)).row(q=3).ok
+        assert not planner.audit(planning.plan_owner(vc)).row(q=3).ok
     assert set(row.fix_setting) == {"cudagraph_capture_sizes"}
     assert "cudagraph_capture_sizes=" in row.fix
     vc = plan(max_num_seqs=300, speculative_config=k2, compilation_config=row.fix_setting)
-    assert coverage.audit(planning.plan_owner(vc)).row(q=3).ok
+    assert planner.audit(planning.plan_owner(vc)).row(q=3).ok
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -92,7 +92,7 @@ def test_explicit_max_is_truncated_below_the_widest_decode(runner):
     vc = plan(runner, max_num_seqs=6, speculative_config=k6,
               compilation_config={"max_cudagraph_capture_size": 42})
     resolved = vc.compilation_config.max_cudagraph_capture_size
-    row = coverage.audit(planning.plan_owner(vc, runner)).row(q=7)
+    row = planner.audit(planning.plan_owner(vc, runner)).row(q=7)
     record_defect("cudagraph", "vllm#54933", present=resolved < 42 and row.first_gap is not None,
                   detail=f"{runner}, k=6, max_num_seqs=6, max_cudagraph_capture_size=42 -> "
                          f"{resolved}; decodes of {gaps(row)} requests "
@@ -104,7 +104,7 @@ def test_explicit_max_is_truncated_below_the_widest_decode(runner):
         assert row.gap_mode == "NONE"
         fixed = plan(runner, max_num_seqs=6, speculative_config=k6,
                      compilation_config=row.fix_setting)
-        assert coverage.audit(planning.plan_owner(fixed, runner)).row(q=7).ok
+        assert planner.audit(planning.plan_owner(fixed, runner)).row(q=7).ok
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -113,7 +113,7 @@ def test_max_num_seqs_off_the_grid_without_speculation(runner):
     8). Where vLLM sizes FULL decode graphs up to its grid below 250 (248), decodes of
     249-250 requests pad to a size with no FULL graph and run PIECEWISE."""
     vc = plan(runner, mode="FULL_AND_PIECEWISE", max_num_seqs=250, speculative_config=None)
-    row = coverage.audit(planning.plan_owner(vc, runner)).row(q=1)
+    row = planner.audit(planning.plan_owner(vc, runner)).row(q=1)
     record_defect("cudagraph", "vllm#57355", present=row.first_gap is not None,
                   detail=f"{runner}, max_num_seqs=250, no spec: decodes of "
                          f"{gaps(row)} requests without a FULL graph"
@@ -141,7 +141,7 @@ def test_vllm_itself_does_not_warn_about_the_gap():
     vllm_logger.addHandler(handler)
     try:
         vc = plan()
-        row = coverage.audit(planning.plan_owner(vc)).row(q=4)
+        row = planner.audit(planning.plan_owner(vc)).row(q=4)
     finally:
         vllm_logger.removeHandler(handler)
     about = [m for m in handler.messages if re.search(r"graph|captur", m, re.IGNORECASE)]
@@ -160,7 +160,7 @@ def test_completion_covers_worked_example(runner):
     assert result.added[0] == 136 * 4 and result.added[-1] == 1024
     assert result.extra_graphs > 0
     assert vc.compilation_config.max_cudagraph_capture_size == 1024
-    cov = coverage.audit(planning.plan_owner(vc, runner))
+    cov = planner.audit(planning.plan_owner(vc, runner))
     assert cov.row(q=4).ok and cov.row(q=4).covered == 256
     assert cov.graphs == result.graphs_after
 
@@ -182,7 +182,7 @@ def test_completion_keeps_an_explicit_list_unless_forced():
     assert vc.compilation_config.cudagraph_capture_sizes == sizes
     forced = planner.complete(planning.PlanRunner(vc, "v1"), None, force=True)
     assert not forced.skipped and forced.extra_graphs > 0
-    assert coverage.audit(planning.plan_owner(vc)).row(q=4).ok
+    assert planner.audit(planning.plan_owner(vc)).row(q=4).ok
 
 
 def test_bare_max_is_not_an_explicit_list():
@@ -195,7 +195,7 @@ def test_kv_capacity_bounds_reachable_shapes():
     """Shapes the KV cache can never hold are not reported as gaps."""
     vc = plan()
     owner = planning.plan_owner(vc)
-    cov = coverage.audit(owner, kv_decodes=100)
+    cov = planner.audit(owner, kv_decodes=100)
     row = cov.row(q=4)
     assert row.family.hi == 100 and row.family.limit == "KV cache" and row.ok
 
@@ -213,13 +213,13 @@ def test_kv_decodes_from_the_reserved_block_model():
 
 def test_token_budget_bounds_reachable_shapes():
     vc = plan(max_num_batched_tokens=400)
-    row = coverage.audit(planning.plan_owner(vc)).row(q=4)
+    row = planner.audit(planning.plan_owner(vc)).row(q=4)
     assert row.family.hi == 100 and row.family.limit.startswith("token budget")
 
 
 def test_zero_draft_steps_are_a_family_for_ngram():
     vc = plan()
-    row = coverage.audit(planning.plan_owner(vc)).row(q=1)
+    row = planner.audit(planning.plan_owner(vc)).row(q=1)
     assert row.family.no_draft
     assert row.gap_mode == "NONE" and "FULL_AND_PIECEWISE" in row.fix   # V1 FULL_DECODE_ONLY
 
@@ -228,7 +228,7 @@ def test_eager_config_has_nothing_to_cover():
     vc = plan(mode="FULL_DECODE_ONLY")
     vc.compilation_config.cudagraph_mode = vc.compilation_config.cudagraph_mode.NONE
     owner = graph_owners.v1_probe(vc, vc.compilation_config.cudagraph_mode, 4)
-    cov = coverage.audit(owner)
+    cov = planner.audit(owner)
     assert cov.rows == [] and cov.ok
     assert "nothing to cover" in coverage.format_table(cov)
 
@@ -293,7 +293,7 @@ def test_audit_hook_logs_one_table(kvguard_log):
 
 def test_lora_cases_are_families():
     vc = plan(enable_lora=True, max_loras=2, max_lora_rank=8)
-    cov = coverage.audit(planning.plan_owner(vc))
+    cov = planner.audit(planning.plan_owner(vc))
     loras = sorted({r.family.lora for r in cov.rows})
     assert loras[0] == 0 and len(loras) > 1
     assert all(r.first_gap == 129 for r in cov.rows if r.family.q == 4)
@@ -304,7 +304,7 @@ def test_lora_without_specialization_leaves_adapterless_decodes_eager():
     only for the LoRA case, so a decode batch with no active adapter runs eager."""
     vc = plan(max_num_seqs=64, speculative_config=None, enable_lora=True, max_loras=2,
               max_lora_rank=8, compilation_config={"cudagraph_specialize_lora": False})
-    cov = coverage.audit(planning.plan_owner(vc))
+    cov = planner.audit(planning.plan_owner(vc))
     plain = cov.row(q=1, lora=0)
     assert plain.covered == 0 and plain.reason == "lora"
     assert "cudagraph_specialize_lora=true" in plain.fix

@@ -194,9 +194,9 @@ def cover(owner: GraphOwner, families: list[Family]) -> list[FamilyCoverage]:
     return out
 
 
-def audit(owner: GraphOwner, kv_decodes: int | None = None,
-          suggest: bool = True) -> Coverage:
-    """The coverage of every reachable uniform decode on ``owner`` (keys already built)."""
+def audit(owner: GraphOwner, kv_decodes: int | None = None) -> Coverage:
+    """The coverage of every reachable uniform decode on ``owner`` (keys already built);
+    :func:`vllm_kvguard.fixes.planner.audit` adds the setting that covers each gap."""
     vc = owner.vllm_config
     cc = vc.compilation_config
     families = decode_families(vc, owner, kv_decodes) if owner.mode != modes().NONE else []
@@ -204,12 +204,6 @@ def audit(owner: GraphOwner, kv_decodes: int | None = None,
     cov = Coverage(owner.kind, owner.mode.name, sorted(cc.cudagraph_capture_sizes or []),
                    owner.max_capture_size, int(vc.scheduler_config.max_num_seqs),
                    token_budget(vc), kv_decodes, owner.num_graphs(), rows)
-    if suggest:
-        from vllm_kvguard.fixes.planner import suggest_fix
-
-        for r in rows:
-            if not r.ok:
-                r.fix, r.fix_setting = suggest_fix(owner, r)
     return cov
 
 

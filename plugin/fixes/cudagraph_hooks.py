@@ -78,7 +78,7 @@ class CoverageHooks:
         owner = owner_of(runner)
         if owner is None:
             return
-        cov = coverage.audit(owner, coverage.kv_decodes_of(runner.vllm_config, kv_cache_config))
+        cov = planner.audit(owner, coverage.kv_decodes_of(runner.vllm_config, kv_cache_config))
         coverage.remember(cov)
         if not _first_rank():
             return

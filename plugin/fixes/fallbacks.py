@@ -16,7 +16,8 @@ import weakref
 from vllm_kvguard import report
 from vllm_kvguard.fixes import fallbacks_v2
 from vllm_kvguard.fixes.graph_owners import (V1_SIGNATURE, V2_HEAD, V2_TAILS, dispatch_params,
-                                             frame_locals, modes, owner_of, v1_caller_code)
+                                             frame_locals, modes, owner_of, uniform_reason,
+                                             v1_caller_code)
 from vllm_kvguard.log import once
 
 CATEGORY = "cudagraph_fallback"
@@ -210,7 +211,7 @@ class Accounting:
                 return
             if uniform_decode:
                 q = min(rec.qs)
-                reason = _uniform_reason(rec, num_tokens, has_lora,
+                reason = uniform_reason(rec, num_tokens, has_lora,
                                          lambda: rec.orig(num_tokens, True, False, 0)[0])
                 self.report(rec, reason, mode, num_tokens,
                             f"uniform decode of {num_tokens // q} requests x {q} tokens")
@@ -276,14 +277,6 @@ class Accounting:
             once(logging.WARNING, ("fallback_released", why),
                  "vllm-kvguard: CUDA-graph fallback accounting released after wake-up (%s); it "
                  "is armed again at the next graph capture", why)
-
-
-def _uniform_reason(rec, num_tokens, has_lora, without_lora) -> str:
-    if has_lora and without_lora() is rec.best:
-        return "lora"
-    if num_tokens > rec.max_size:
-        return "over_max_capture_size"
-    return "not_captured_for_draft_length"
 
 
 def still_valid(rec: Record) -> str | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import inspect
 import logging
 
-from vllm_kvguard.fixes.graph_owners import frame_locals, is_quiet, modes, quiet, v2_dispatch_code
+from vllm_kvguard.fixes.graph_owners import (frame_locals, is_quiet, modes, quiet,
+                                             uniform_reason, v2_dispatch_code)
 from vllm_kvguard.log import once
 
 #: How many frames above the descriptor's construction ``dispatch`` may be.
@@ -181,9 +182,7 @@ def v2_slow(accounting, rec, mode, num_reqs, num_tokens, uniform_token_count,
                 args = (num_reqs, num_tokens, u, 0) + (max_query_len, num_ubatches)[:rec.tail]
                 with quiet():
                     return rec.orig(*args).cg_mode
-            from vllm_kvguard.fixes.fallbacks import _uniform_reason
-
-            reason = _uniform_reason(rec, num_tokens, num_active_loras > 0, unlora)
+            reason = uniform_reason(rec, num_tokens, num_active_loras > 0, unlora)
         shape = f"{u} tokens each" if u is not None else f"1..{max_query_len} tokens each"
         accounting.report(rec, reason, mode, num_tokens, f"decode of {num_reqs} requests, {shape}")
     except Exception as exc:

@@ -232,3 +232,13 @@ def frame_locals(code, limit: int = FRAME_LIMIT) -> dict | None:
             return frame.f_locals
         frame = frame.f_back
     return None
+
+
+def uniform_reason(rec, num_tokens, has_lora, without_lora) -> str:
+    """Why a uniform decode missed its graph: LoRA, over the capture ceiling, or no graph
+    at this draft length."""
+    if has_lora and without_lora() is rec.best:
+        return "lora"
+    if num_tokens > rec.max_size:
+        return "over_max_capture_size"
+    return "not_captured_for_draft_length"

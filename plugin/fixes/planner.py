@@ -15,7 +15,8 @@ import copy
 import inspect
 from dataclasses import dataclass
 
-from vllm_kvguard.fixes.coverage import FamilyCoverage, audit, kv_decodes_of, num_spec
+from vllm_kvguard.fixes import coverage
+from vllm_kvguard.fixes.coverage import Coverage, FamilyCoverage, kv_decodes_of, num_spec
 from vllm_kvguard.fixes.graph_owners import GraphOwner, is_v2_runner, modes, v1_probe, v2_probe
 from vllm_kvguard.log import logger
 
@@ -177,6 +178,15 @@ class Completion:
         return self.graphs_after - self.graphs_before
 
 
+def audit(owner: GraphOwner, kv_decodes: int | None = None) -> Coverage:
+    """:func:`coverage.audit`, with the verified setting that covers each gap."""
+    cov = coverage.audit(owner, kv_decodes)
+    for r in cov.rows:
+        if not r.ok:
+            r.fix, r.fix_setting = suggest_fix(owner, r)
+    return cov
+
+
 def complete(runner, kv_cache_config, *, force: bool = False,
              fields=()) -> Completion | None:
     """Extend the capture sizes so every reachable uniform decode has a graph (see the
@@ -195,7 +205,7 @@ def complete(runner, kv_cache_config, *, force: bool = False,
                          getattr(runner, "adaptive_verification", None) is not None)
     else:
         owner = v1_probe(vc, mode, 1 + num_spec(vc))
-    before = audit(owner, kv_decodes_of(vc, kv_cache_config), suggest=False)
+    before = coverage.audit(owner, kv_decodes_of(vc, kv_cache_config))
     gaps = [r for r in before.rows if not r.ok and not r.family.no_draft
             and r.reason in ("over_max_capture_size", "not_captured_for_draft_length")
             and r.family.q in owner.query_lens()]

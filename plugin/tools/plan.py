@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import sys
 
-from vllm_kvguard.fixes.coverage import audit, format_table, num_spec
+from vllm_kvguard.fixes.coverage import format_table, num_spec
 from vllm_kvguard.fixes.graph_owners import GraphOwner, modes, v1_probe, v2_probe
-from vllm_kvguard.fixes.planner import complete, short
+from vllm_kvguard.fixes.planner import audit, complete, short
 
 _TINY: dict[str, str] = {}        # one tiny model config per process
 
