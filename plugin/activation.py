@@ -40,6 +40,11 @@ def activate(env=None) -> dict[str, str] | None:
         from vllm_kvguard.versions import vllm_version
 
         version = vllm_version()
+        if version is None:                  # one line, not one per patch
+            logger.warning("vllm-kvguard: vLLM is not installed; nothing to patch")
+            _state["results"] = {p.name: "skipped: vLLM is not installed"
+                                 for p in select_patches(fl)}
+            return _state["results"]
         res: dict[str, str] = {}
         for patch in select_patches(fl):
             res[patch.name] = _apply_one(patch, version, fl)

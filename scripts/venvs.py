@@ -171,10 +171,20 @@ class _Runner:
             fh.write(f"\n$ {' '.join(cmd)}\n")
             fh.flush()
             start = fh.tell()
-            rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL,
-                                 env={**os.environ, "PIP_NO_INPUT": "1",
-                                      "PIP_PROGRESS_BAR": "off"})
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PIP_NO_INPUT": "1",
+                                         "PIP_PROGRESS_BAR": "off"})
+            t0 = time.monotonic()
+            while True:                          # a heartbeat while pip runs, never silent
+                try:
+                    rc = proc.wait(timeout=HEARTBEAT_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if not self.verbose:
+                        sys.stderr.write(f"  ... still {what} ({time.monotonic() - t0:.0f} s; "
+                                         f"{_last_line(self.log)})\n")
+                        sys.stderr.flush()
         with open(self.log) as fh:              # streamed to the log, read back
             fh.seek(start)
             output = fh.read()
@@ -186,6 +196,22 @@ class _Runner:
             raise InstallError(f"{what} failed (exit {rc}): {' '.join(cmd)}\n"
                                f"--- last lines (full log: {self.log}) ---\n{tail}")
         return output
+
+
+HEARTBEAT_S = 30.0
+
+
+def _last_line(log: Path) -> str:
+    """pip's last log line, shortened, for the heartbeat."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(log) - 4096))
+            lines = [ln for ln in fh.read().decode("utf-8", "replace").splitlines()
+                     if ln.strip()]
+    except OSError:
+        return "log unreadable"
+    last = lines[-1].strip() if lines else ""
+    return "pip: " + (last[:100] + "..." if len(last) > 100 else last)
 
 
 _FILTER_REQUIREMENTS = r"""
@@ -294,6 +320,9 @@ def ensure(pin: Pin, repo: Path = REPO, rebuild: bool = False, verbose: bool = F
             if path.exists():
                 shutil.rmtree(path)
             log.write_text(f"# building {pin.requirement} into {path}\n")
+            print(f"vllm-kvguard: building the {pin.name} venv ({pin.requirement}) into "
+                  f"{path}; pip's log: {log} (a few minutes the first time)",
+                  file=sys.stderr, flush=True)
             steps = _build(pin, path, run)
             built = True
             (path / MARKER).write_text(json.dumps({"recipe": recipe(pin), "steps": steps,

@@ -178,7 +178,10 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
             f", Mamba speculative blocks included), so at most {cap.decodes_that_fit} of the "
             f"{cap.usable} usable blocks' sequences decode at once; {graphs}. Lower "
             f"--max-num-seqs to {max(1, cap.decodes_that_fit)} or give the KV cache more memory.")
-    if cap.vllm_concurrency is not None and int(cap.vllm_concurrency) > int(cap.true_concurrency):
+    # Warn only when it matters: fewer than max_num_seqs full-length requests fit, or vLLM's
+    # figure overstates the truth by more than rounding (1 request and 1%); else INFO only.
+    if cap.vllm_concurrency is not None and (cap.true_concurrency < cap.max_num_seqs or (
+            cap.vllm_concurrency - cap.true_concurrency > max(1.0, 0.01 * cap.vllm_concurrency))):
         cap.warnings.append(
             f"vLLM reports maximum concurrency {cap.vllm_concurrency:.2f}x for "
             f"{mml} tokens per request; with speculative decoding ({k} draft tokens/step, "

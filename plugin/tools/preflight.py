@@ -1,0 +1,271 @@
+"""``kvguard plan``: what an operator needs to know before deploying, from a model's
+``config.json`` alone (no weights, no GPU).
+
+    kvguard plan --model DIR --max-num-seqs 256 --max-model-len 8192 \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, \\
+                               "prompt_lookup_max": 3}' --num-gpu-blocks 20000
+
+* per KV-cache group: the spec-aware blocks one request holds at ``max_model_len`` and the
+  true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.capacity` on a
+  ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``);
+* CUDA-graph coverage per draft length, the first uncovered shape and the setting that
+  covers it (:mod:`vllm_kvguard.fixes.coverage`, sized as on a CUDA GPU by
+  :func:`vllm_kvguard.tools.plan.plan_config`);
+* one verdict line. ``--json PATH`` (``-`` for stdout) writes the same as JSON.
+
+vLLM's own log lines go to stderr. KV specs are derived from the config as vLLM's layers
+derive them: full attention (or sliding window where the model has one) and Mamba layers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class PlanError(Exception):
+    """A bad argument: the message names it and its valid form."""
+
+
+def _json_arg(name: str, text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{name}: not valid JSON ({exc.msg} at char {exc.pos}); expected an "
+                        f"object, e.g. {name} '{{\"key\": value}}'") from None
+    if not isinstance(value, dict):
+        raise PlanError(f"{name}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _model_dir(path: str) -> str:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise PlanError(f"--model {path}: no config.json there; expected a local model "
+                        f"directory containing config.json (weights are not needed)")
+    try:
+        json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"--model {path}: config.json is not valid JSON ({exc})") from None
+    return str(p)
+
+
+# --------------------------------------------------------------------------- KV specs
+_ATTENTION_TYPES = {"attention", "full_attention", "sliding_attention", "hybrid"}
+_MAMBA_TYPES = {"mamba", "mamba2", "linear_attention"}
+
+
+def kv_cache_specs(vllm_config) -> dict:
+    """``{layer name: KVCacheSpec}`` as the model's attention / Mamba layers would report
+    them for this config (the same fields vLLM's layers fill in)."""
+    import torch
+    from vllm.v1 import kv_cache_interface as kci
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else getattr(
+        torch, str(cc.cache_dtype).replace("fp8", "float8_e4m3fn"), mc.dtype)
+    n_attn = mc.get_num_layers_by_block_type(pc, "attention")
+    n_mamba = mc.get_num_layers_by_block_type(pc, "mamba") if mc.is_hybrid else 0
+    types = (getattr(mc.hf_text_config, "layers_block_type", None)
+             or getattr(mc.hf_text_config, "layer_types", None))
+    if mc.is_hybrid and types and not n_mamba:     # names vLLM's count does not know
+        n_attn = sum(t in _ATTENTION_TYPES for t in types)
+        n_mamba = sum(t in _MAMBA_TYPES for t in types)
+    head = dict(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
+                head_size=mc.get_head_size(), dtype=dtype)
+    window = mc.get_sliding_window()
+    specs: dict = {}
+    for i in range(n_attn):
+        specs[f"attn.{i}"] = (kci.SlidingWindowSpec(**head, sliding_window=window) if window
+                              else kci.FullAttentionSpec(**head))
+    if n_mamba:
+        from vllm.model_executor.models import ModelRegistry
+
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
+        shapes = tuple(cls.get_mamba_state_shape_from_config(vllm_config))
+        dtypes = tuple(cls.get_mamba_state_dtype_from_config(vllm_config))
+        import inspect
+
+        params = inspect.signature(kci.MambaSpec).parameters
+        extra = dict(page_size_padded=cc.mamba_page_size_padded,
+                     mamba_cache_mode=cc.mamba_cache_mode,
+                     num_speculative_blocks=int(getattr(vllm_config, "num_speculative_tokens",
+                                                        0) or 0),
+                     mamba_type=getattr(cls, "mamba_type", None) or "mamba2")
+        extra = {k: v for k, v in extra.items() if k in params and v is not None}
+        for j in range(n_mamba):
+            specs[f"mamba.{j}"] = kci.MambaSpec(shapes=shapes, dtypes=dtypes,
+                                                block_size=cc.mamba_block_size, **extra)
+    return specs
+
+
+def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | None):
+    """vLLM's own ``get_kv_cache_configs`` over :func:`kv_cache_specs`."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    specs = kv_cache_specs(vllm_config)
+    if not specs:
+        raise PlanError("no attention or Mamba layers found in this config.json")
+    resolve_kv_cache_layout(vllm_config, [[x.name for x in KVCacheLayout]], specs.values())
+    if num_gpu_blocks is not None:
+        vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
+        page = max(s.page_size_bytes for s in specs.values())
+        kv_bytes = (num_gpu_blocks + 1) * page * len(specs)   # enough; the override decides
+    return get_kv_cache_configs(vllm_config, [specs], [int(kv_bytes)])[0]
+
+
+# ------------------------------------------------------------------------------- plan
+def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
+         max_num_batched_tokens: int | None = None, speculative_config: dict | None = None,
+         compilation_config: dict | None = None, num_gpu_blocks: int | None = None,
+         gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
+         weights_gib: float = 0.0, runner: str = "v1",
+         cudagraph_mode: str = "FULL_AND_PIECEWISE") -> dict:
+    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.coverage import audit, format_table
+    from vllm_kvguard.tools.plan import plan_config, plan_owner
+
+    kw: dict = dict(max_num_seqs=max_num_seqs)
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+    if speculative_config:
+        kw["speculative_config"] = dict(speculative_config)
+    kw["compilation_config"] = dict(compilation_config or {})
+    try:
+        vc = plan_config(model, cudagraph_mode=cudagraph_mode, runner=runner, **kw)
+    except Exception as exc:
+        raise PlanError(f"vLLM rejected these settings: {type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                        ) from None
+    kv_bytes = None
+    if num_gpu_blocks is None:
+        if gpu_memory_gib is None:
+            raise PlanError("give --num-gpu-blocks N, or --gpu-memory-gib GiB (with "
+                            "--gpu-memory-utilization, --weights-gib)")
+        kv_bytes = int((gpu_memory_gib * gpu_memory_utilization - weights_gib) * 2**30)
+        if kv_bytes <= 0:
+            raise PlanError("--gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
+                            "leaves no KV cache memory")
+    kvc = kv_cache_config(vc, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
+    cap = capacity.compute(vc, kvc)
+    cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
+    gaps = [r for r in cov.rows if r.first_gap is not None and not r.family.no_draft]
+    problems = [w.rstrip(".") for w in cap.warnings]
+    for r in gaps:
+        problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
+                        f"{r.gap_mode}; fix: {r.fix}")
+    verdict = "OK" if not problems else "ACTION NEEDED"
+    return {
+        "model": model, "architecture": list(vc.model_config.architectures),
+        "max_num_seqs": cap.max_num_seqs, "max_model_len": cap.max_model_len,
+        "num_speculative_tokens": cap.num_spec_tokens, "lookahead": cap.lookahead,
+        "num_blocks": cap.num_blocks, "usable_blocks": cap.usable,
+        "groups": [dict(index=g.index, kind=g.kind, block_size=g.block_size,
+                        layers=len(kvc.kv_cache_groups[g.index].layer_names),
+                        blocks_per_request_plain=g.plain, blocks_per_request_spec=g.spec,
+                        decode_blocks=g.decode) for g in cap.groups],
+        "blocks_per_request_spec": cap.per_request_spec,
+        "true_concurrency": round(cap.true_concurrency, 4),
+        "vllm_concurrency": None if cap.vllm_concurrency is None
+        else round(cap.vllm_concurrency, 4),
+        "decodes_that_fit": cap.decodes_that_fit if cap.has_mamba else None,
+        "capacity_lines": capacity.format_report(cap),
+        "coverage": [dict(drafts=r.family.q - 1, zero_draft=r.family.no_draft,
+                          requests=[r.family.lo, r.family.hi], covered=r.covered,
+                          first_uncovered=r.first_gap, mode_there=r.gap_mode or None,
+                          fix=r.fix or None, fix_setting=r.fix_setting or None)
+                     for r in cov.rows],
+        "coverage_table": format_table(cov),
+        "problems": problems, "verdict": verdict,
+    }
+
+
+def format_plan(result: dict) -> str:
+    out = [*result["capacity_lines"], "", result["coverage_table"], ""]
+    out.append(f"verdict: {result['verdict']}" + (
+        "" if not result["problems"] else " - " + "; ".join(result["problems"])))
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvguard plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pre-flight planner: per-group KV capacity (spec-aware) and CUDA-graph "
+                    "coverage\nfrom a model's config.json, sized as on a CUDA GPU "
+                    "(no weights, no GPU).",
+        epilog="example: kvguard plan --model ./my-model --max-num-seqs 256 "
+               "--num-gpu-blocks 20000 \\\n  --speculative-config "
+               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+               "\"prompt_lookup_max\": 3}'")
+    p.add_argument("--model", required=True, help="local model directory with config.json")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--speculative-config", default=None, help="JSON, as vLLM's flag")
+    p.add_argument("--compilation-config", default=None, help="JSON, as vLLM's flag")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--num-gpu-blocks", type=int, default=None,
+                     help="KV blocks (as vLLM's --num-gpu-blocks-override)")
+    mem.add_argument("--gpu-memory-gib", type=float, default=None, help="GPU memory, GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--weights-gib", type=float, default=0.0,
+                   help="with --gpu-memory-gib: memory not for KV (weights, activations)")
+    p.add_argument("--runner", choices=("v1", "v2"), default="v1")
+    p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
+                   choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"))
+    p.add_argument("--json", metavar="PATH", default=None, help="write JSON here (- = stdout)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    stdout = sys.stdout
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM's lines: stderr
+    try:
+        model = _model_dir(a.model)
+        spec = _json_arg("--speculative-config", a.speculative_config)
+        comp = _json_arg("--compilation-config", a.compilation_config)
+        for name in ("max_num_seqs", "max_model_len", "num_gpu_blocks"):
+            v = getattr(a, name)
+            if v is not None and v <= 0:
+                raise PlanError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
+        if not 0 < a.gpu_memory_utilization <= 1:
+            raise PlanError(f"--gpu-memory-utilization {a.gpu_memory_utilization}: expected "
+                            f"a fraction in (0, 1]")
+        sys.stdout = sys.stderr          # anything vLLM prints while building: stderr
+        try:
+            result = plan(model, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                          max_num_batched_tokens=a.max_num_batched_tokens,
+                          speculative_config=spec, compilation_config=comp,
+                          num_gpu_blocks=a.num_gpu_blocks, gpu_memory_gib=a.gpu_memory_gib,
+                          gpu_memory_utilization=a.gpu_memory_utilization,
+                          weights_gib=a.weights_gib, runner=a.runner,
+                          cudagraph_mode=a.cudagraph_mode)
+        finally:
+            sys.stdout = stdout
+    except PlanError as exc:
+        print(f"kvguard plan: {exc}", file=sys.stderr)
+        return 2
+    if a.json == "-":
+        json.dump({k: v for k, v in result.items()}, stdout, indent=1)
+        stdout.write("\n")
+    else:
+        print(format_plan(result), file=stdout)
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {a.json}", file=stdout)
+    return 0 if result["verdict"] == "OK" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

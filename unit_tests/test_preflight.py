@@ -1,0 +1,73 @@
+"""`kvguard plan`: blocks per KV-cache group from a config.json alone match what the real
+engine objects compute; the GPU-shaped coverage gap; argument errors name the argument."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_kvguard.tools import preflight
+
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def test_bad_model_path_names_the_argument(tmp_path, capsys):
+    assert preflight.main(["--model", str(tmp_path / "nope"), "--num-gpu-blocks", "9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvguard plan: --model ") and \
+        "config.json" in err[0] and "Traceback" not in err[0]
+
+
+def test_bad_json_names_the_argument(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert preflight.main(["--model", str(tmp_path), "--num-gpu-blocks", "9",
+                           "--compilation-config", "{max_cudagraph_capture_size: 1}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvguard plan: --compilation-config: not valid JSON") and \
+        "\n" not in err
+
+
+@pytest.mark.parametrize("kind", ["llama", "nemotron_h"])
+def test_plan_matches_the_engine_objects(kind, tmp_path):
+    """A config.json written here (Llama-shaped; NemotronH-shaped hybrid): the planner's
+    per-group blocks equal capacity.compute on a KVCacheConfig of the same specs, and its
+    vLLM figure is vLLM's own; the GPU-shaped coverage gap is the worked example."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.testing.kv_fixtures import kv_cache_config
+    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools.tiny_models import write_model
+
+    model = write_model(kind, tmp_path / kind)
+    r = preflight.plan(model, max_num_seqs=256, max_model_len=2048, num_gpu_blocks=4096,
+                       speculative_config=NGRAM3)
+    # the engine's own objects, built independently of the planner's KV path
+    vc = plan_config(model, max_num_seqs=256, max_model_len=2048,
+                     speculative_config=dict(NGRAM3))
+    specs = preflight.kv_cache_specs(vc)
+    uniq = list(dict.fromkeys(specs.values()))   # one group per distinct spec here
+    kvc = kv_cache_config(uniq * 1, 4096)
+    cap = capacity.compute(vc, kvc)
+    by_kind = {}
+    for g in cap.groups:
+        by_kind[g.kind] = (g.plain, g.spec, g.decode)
+    for g in r["groups"]:
+        assert (g["blocks_per_request_plain"], g["blocks_per_request_spec"],
+                g["decode_blocks"]) == by_kind[g["kind"]]
+    if kind == "llama":
+        assert [g["kind"] for g in r["groups"]] == ["FullAttentionSpec"]
+        assert r["vllm_concurrency"] == pytest.approx(
+            get_max_concurrency_for_kv_cache_config(vc, kvc), rel=1e-3)
+    else:
+        assert [g["kind"] for g in r["groups"]][0] == "FullAttentionSpec"
+        assert all(g["kind"].startswith("MambaSpec(align, nsb=3)") for g in r["groups"][1:])
+        assert r["blocks_per_request_spec"] > sum(g["blocks_per_request_plain"]
+                                                  for g in r["groups"])
+    row = next(c for c in r["coverage"] if c["drafts"] == 3 and not c["zero_draft"])
+    assert row["requests"] == [1, 256] and row["covered"] == 128
+    assert row["first_uncovered"] == 129
+    assert row["fix_setting"] == {"max_cudagraph_capture_size": 1024}
+    assert r["verdict"] == "ACTION NEEDED"
+    json.dumps(r)                                # --json writes it
