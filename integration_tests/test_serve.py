@@ -45,13 +45,19 @@ CONFIGS = [
     ServeConfig("nemotron-off", "nemotron_h", TINY, num_requests=16, prompt_len=40),
     ServeConfig("nemotron-faults", "nemotron_h", TINY, ON + (EVERY7, AUDIT),
                 num_requests=16, prompt_len=40),
+    # both sides pad the conv weight vLLM's CPU kernel reads past (see serve_fixtures)
     ServeConfig("nemotron-ngram-off", "nemotron_h", NEMOTRON_NGRAM, num_requests=16,
-                prompt_len=40),
+                prompt_len=40, cpu_conv_padding=True),
     ServeConfig("nemotron-ngram-faults", "nemotron_h", NEMOTRON_NGRAM,
-                ON + (EVERY7, AUDIT), num_requests=16, prompt_len=40),
+                ON + (EVERY7, AUDIT), num_requests=16, prompt_len=40, cpu_conv_padding=True),
     ServeConfig("llama-tp2-faults", "llama", LLAMA + TP2,
                 ON + (EVERY7, AUDIT, ("VLLM_CPU_OMP_THREADS_BIND", "0|1"))),
 ]
+
+
+# A test may wait for servers queued behind others: startup alone took 5-6 min per server
+# with load average 7 on this 2-core machine (1-2 min when it is quiet).
+TIMEOUT_S = 1800
 
 
 def uses(*names):
@@ -99,7 +105,7 @@ def assert_audit_clean(run):
     assert "audit_violation" not in run.counters, run.counters
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT_S)
 @uses("llama-off", "llama-on")
 def test_no_faults_every_request_succeeds_identically_to_plugin_off(pool):
     off, on = served(pool, "llama-off"), served(pool, "llama-on")
@@ -115,7 +121,7 @@ def test_no_faults_every_request_succeeds_identically_to_plugin_off(pool):
            off=off.batch.summary(), on=on.batch.summary(), counters=on.counters)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT_S)
 @uses("llama-faults-fixes-off")
 def test_faults_with_fixes_off_kill_engine_core_and_the_client_sees_it(pool):
     run = served(pool, "llama-faults-fixes-off")
@@ -132,7 +138,7 @@ def test_faults_with_fixes_off_kill_engine_core_and_the_client_sees_it(pool):
     assert not run.alive_after
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("name", ["llama-faults-every7", "llama-faults-rate"])
 @uses("llama-off", "llama-faults-every7", "llama-faults-rate")
 def test_faults_with_plugin_on_every_request_succeeds_identically(pool, name):
@@ -158,30 +164,29 @@ def _hybrid(pool, off_name, faults_name):
            audit_steps=run.counters["audit"]["steps"], startup_s=round(run.startup_s))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT_S)
 @uses("nemotron-off", "nemotron-faults")
 def test_hybrid_under_faults(pool):
     _hybrid(pool, "nemotron-off", "nemotron-faults")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT_S)
 @uses("nemotron-ngram-off", "nemotron-ngram-faults")
 def test_hybrid_with_ngram_spec_decoding_under_faults(pool):
     _hybrid(pool, "nemotron-ngram-off", "nemotron-ngram-faults")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@uses("llama-off", "llama-tp2-faults")
+@pytest.mark.timeout(TIMEOUT_S)
+@uses("llama-tp2-faults")
 def test_tensor_parallel_2_active_in_both_workers_and_survives_faults(pool):
-    off, run = served(pool, "llama-off"), served(pool, "llama-tp2-faults")
+    run = served(pool, "llama-tp2-faults")
     workers = sorted(p for p in run.reports if "Worker" in p)
     assert len(workers) == 2, run.reports
     assert_all_ok(run)
     assert rollbacks(run) > 0, run.counters
     assert_audit_clean(run)
-    same = run.batch.tokens() == off.batch.tokens()
+    assert run.log_has("TEST-ONLY allocator fault injection is ON")
     record("tp2+every=7", client=run.batch.summary(), workers=workers,
-           rollbacks=run.counters.get("rollback"), identical_to_tp1_off=same,
-           startup_s=round(run.startup_s))
+           rollbacks=run.counters.get("rollback"), startup_s=round(run.startup_s))

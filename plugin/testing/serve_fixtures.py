@@ -25,6 +25,20 @@ from vllm_kvguard.tools.tiny_models import write_model
 from vllm_kvguard.tools.workload import make_prompts
 
 
+PADDING_SITECUSTOMIZE = """\
+try:
+    import wrapt
+
+    @wrapt.when_imported("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
+    def _kvguard_pad(module):
+        from vllm_kvguard.tools.workload import pad_cpu_conv_weights
+
+        pad_cpu_conv_weights()
+except Exception:
+    pass
+"""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     name: str
@@ -36,7 +50,10 @@ class ServeConfig:
     prompt_len: int = 48
     max_tokens: int = 32
     expect_death: bool = False                   # fixes off + faults: wait for the exit
-    startup_timeout: float = 480.0
+    # hybrid + spec decoding on CPU: pad the conv weight vLLM's CPU kernel reads past, in
+    # every server process (workload.pad_cpu_conv_weights; a harness workaround, both sides)
+    cpu_conv_padding: bool = False
+    startup_timeout: float = 900.0             # a busy 2-core machine: 5+ min seen
 
 
 @dataclass
@@ -86,13 +103,27 @@ class ServePool:
             self._models[kind] = write_model(kind, os.path.join(self._tmp, kind))
         return self._models[kind]
 
+    def _padding_site(self) -> str:
+        """A directory whose ``sitecustomize`` installs the conv-weight padding in every
+        process once vLLM's CPU conv module is imported (spawned children inherit it)."""
+        site = os.path.join(self._tmp, "conv-padding-site")
+        if not os.path.isdir(site):
+            os.makedirs(site)
+            with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+                f.write(PADDING_SITECUSTOMIZE)
+        return site
+
     def _run(self, cfg: ServeConfig) -> ServeRun:
         run = ServeRun(cfg)
         if self._closed:
             run.error = "pool closed"
             return run
         t0 = time.monotonic()
-        server = Server(self._model_dir(cfg.model), list(cfg.args), dict(cfg.env),
+        env = dict(cfg.env)
+        if cfg.cpu_conv_padding:
+            path = [self._padding_site(), os.environ.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        server = Server(self._model_dir(cfg.model), list(cfg.args), env,
                         name=cfg.name, log_dir=self.log_dir)
         self._servers[cfg.name] = server
         try:
