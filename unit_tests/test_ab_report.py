@@ -60,17 +60,22 @@ def test_coverage_cell():
     assert abreport.coverage_cell(audited) == "37/64 shapes GAPS"
 
 
-def test_cpu_audit_without_graphs_and_multiprocess_counters_are_not_shown_as_zero():
+def test_cpu_audit_without_graphs_and_multiprocess_counters_are_shown_from_engine_core():
     cpu = side(counters={}, platform="cpu")
     cpu["coverage"] = {"ok": True, "mode": "NONE", "covered": 0, "total": 0}
     assert abreport.coverage_cell(cpu) == "n/a on CPU (mode NONE)"
-    mp = {**side("on + faults", counters={}), "engine_core_separate": True,
+    # --multiprocess: the counters come from EngineCore's snapshot files; only the
+    # CUDA-graph audit object stays in the worker
+    mp = {**side("on + faults", counters={"rollback": {"InjectedFault": 12},
+                                          "cudagraph_fallback": {"lora": 0}}),
+          "engine_core_separate": True, "faults_injected": 12,
           "env": {"KVGUARD": "1", "KVGUARD_FAULTS": "every=7"}}
-    assert abreport.rollbacks_cell(mp) == abreport.coverage_cell(mp) == abreport.MP_NA
+    assert abreport.coverage_cell(mp) == abreport.MP_NA
+    assert abreport.rollbacks_cell(mp) == "12"
     sc = scenario("alloc-faults", b=mp)
     b_row = abreport.side_row(sc, "B")
-    assert b_row[abreport.COLUMNS.index("faults")] == abreport.MP_NA
-    assert b_row[abreport.COLUMNS.index("fallbacks")] == abreport.MP_NA
+    assert b_row[abreport.COLUMNS.index("faults")] == "12"
+    assert b_row[abreport.COLUMNS.index("fallbacks")] == "0"
 
 
 def test_rollbacks_cell_counts_rollbacks_and_failed_ones_apart():

@@ -21,7 +21,7 @@ COLUMNS = ("scenario", "side", "plugin", "startup s", "done/failed/aborted", "di
            "rollbacks", "fallbacks", "cudagraph")
 
 
-MP_NA = "n/a (mp)"   # --multiprocess: the fixes' counters stay in the EngineCore process
+MP_NA = "n/a (mp)"   # --multiprocess: the CUDA-graph audit object stays in the worker
 
 
 def _num(v: float | None, fmt: str = "{:.1f}") -> str:
@@ -45,8 +45,6 @@ def coverage_cell(side: dict) -> str:
 
 
 def rollbacks_cell(side: dict) -> str:
-    if side.get("engine_core_separate"):
-        return MP_NA
     counters = side.get("counters") or {}
     done = sum((counters.get("rollback") or {}).values())
     failed = sum((counters.get("rollback_failed") or {}).values())
@@ -69,8 +67,7 @@ def side_row(sc: dict, key: str) -> list[str]:
            f"{t.get('completed', 0)}/{t.get('failed', 0)}/{t.get('aborted', 0)}"
            + (f" of {t['submitted']}" if t.get("submitted") else ""),
            died, "-" if lk is None else str(lk),
-           MP_NA if side.get("engine_core_separate") and side["env"].get("KVGUARD_FAULTS")
-           else str(side["faults_injected"]) if side.get("faults_injected") else "-", tok]
+           str(side["faults_injected"]) if side.get("faults_injected") else "-", tok]
     if key == "A":
         return row + [""] * 5
     th, par = sc["throughput"], sc["parity"]
@@ -84,8 +81,7 @@ def side_row(sc: dict, key: str) -> list[str]:
             " MISMATCH" if par["status"] == FAIL else "")
     plugin_on = bool(side.get("patches")) or side.get("engine_core_separate")
     counters = side.get("counters")
-    fallbacks = (MP_NA if side.get("engine_core_separate")
-                 else str(abstats.counter_total(counters, "fallback")))
+    fallbacks = str(abstats.counter_total(counters, "fallback"))
     return row + [ratio, par_cell, rollbacks_cell(side) if plugin_on else "-",
                   fallbacks if plugin_on else "-", coverage_cell(side)]
 

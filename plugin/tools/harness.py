@@ -59,10 +59,19 @@ def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
             result["stderr"] = stderr[-4000:]
             result["kvguard_log"] = [ln for ln in (stdout + "\n" + stderr).splitlines()
                                      if "vllm-kvguard" in ln]   # whole, not a tail
-            return result
+            return note_fatal_fault(result, stdout + stderr)
     return {"spec": spec, "ok": False, "engine_died": True, "returncode": proc.returncode,
             "error": f"process exited {proc.returncode} without a result",
             "stderr": stderr[-4000:]}
+
+
+def note_fatal_fault(result: dict, log: str) -> dict:
+    """A multiprocess engine that an injected fault killed: the fault is in EngineCore's
+    log (this child's stderr), not in the front end's error; count it."""
+    if (result.get("spec", {}).get("multiprocess") and result.get("engine_died")
+            and not result.get("faults_injected") and "injected: Cannot get" in log):
+        result["faults_injected"] = 1
+    return result
 
 
 class WorkloadProcess:
@@ -181,7 +190,7 @@ class WorkloadProcess:
                       "engine_died": not self.hung, "returncode": self.proc.returncode,
                       "error": self.error}
         result["stderr"] = self.stderr_tail()
-        return result
+        return note_fatal_fault(result, "\n".join(self._stderr))
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -287,18 +287,45 @@ def run(spec: dict) -> dict:
     return session.finish()
 
 
-def _finish(out: dict) -> dict:
-    try:
-        from vllm_kvguard import activation, report
+def counters_of_every_process(multiprocess: bool) -> dict[str, dict[str, int]]:
+    """The plugin's counters of this process and, with a multiprocess engine, of every
+    process it started (EngineCore, workers): the snapshot files they write into
+    ``KVGUARD_METRICS_DIR`` (:mod:`vllm_kvguard.metrics`, the same sum ``/metrics``
+    shows). A process publishes at most once a second, so wait that long first."""
+    from vllm_kvguard import metrics, report
 
-        out["kvguard"] = {"results": activation.results(), "counters": report.snapshot()}
+    if not multiprocess or metrics._state["dir"] is None:
+        return report.snapshot()
+    time.sleep(metrics.FLUSH_INTERVAL_S + 0.3)
+    return metrics.totals()
+
+
+def faults_seen(counters: dict, error: str | None) -> int:
+    """Injected faults as seen from outside EngineCore: each one the fix rolled back
+    (rollback reason ``InjectedFault``) plus the one that killed an unfixed engine."""
+    rolled_back = (counters.get("rollback") or {}).get("InjectedFault", 0)
+    return rolled_back + (1 if error and "injected: Cannot get" in error else 0)
+
+
+def _finish(out: dict) -> dict:
+    multiprocess = bool(out.get("spec", {}).get("multiprocess"))
+    try:
+        from vllm_kvguard import activation
+
+        out["kvguard"] = {"results": activation.results(),
+                          "counters": counters_of_every_process(multiprocess)}
     except Exception as exc:  # the workload result matters more than our own report
         out["kvguard"] = {"error": repr(exc)}
     try:
-        from vllm_kvguard.fixes import faults
+        if multiprocess:        # the injector runs in EngineCore, not here
+            out["faults_injected"] = faults_seen(out["kvguard"].get("counters") or {},
+                                                 out.get("error"))
+            out["faults_counted_from"] = "rollbacks and EngineCore's error"
+        else:
+            from vllm_kvguard.patches import faults
 
-        sched = faults.schedule()
-        out["faults_injected"] = sched.fired if sched is not None else 0
+            live = faults.injector()
+            out["faults_injected"] = live.schedule.fired if live is not None else 0
     except Exception:
         pass
     with contextlib.suppress(Exception):    # the CUDA-graph audit, where the runner ran here
