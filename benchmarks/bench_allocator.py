@@ -9,24 +9,39 @@ batching over shared prompt families so prefix hits happen. Each off/on pair giv
 ratio (on ops/s / off ops/s, ops = allocate_slots + free calls, CPU time of this
 process); the median pair ratio is printed with ops/s. Target >= 0.95, stretch 0.98.
 "On" is the allocator patch as installed: its transaction runs in the C accelerator when
-that was built (``vllm_kvguard._txn``), else in Python; ``--pure-python`` measures the
-Python form (``KVGUARD_PURE_PYTHON=1``).
+that was built (``vllm_kvguard._txn``), else in Python; ``--pure-python`` (or
+``KVGUARD_PURE_PYTHON=1`` in the environment) measures the Python form where the build
+still has a C accelerator, and is ignored (and said so) where it has none.
+
+``--instructions`` counts instead, exactly, the instructions of one replay with the patch
+off and on under callgrind (one child process: for each lookahead, a replay off and on
+uninstrumented to warm up, then replays off, on, off on fresh managers, each counted
+alone; see ``_cgcount.py``), and prints on/off (target <= 1.03, i.e. >= 0.97x).
 
     python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
-                                         [--pure-python]
+                                         [--pure-python] [--instructions]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
 import time
 
-from vllm_kvguard import activation
-from vllm_kvguard.fixes import rollback
-from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request
+try:                                  # where the fixtures live now
+    from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request
+except ImportError:                   # before they moved: the unit tests' module
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "unit_tests"))
+    from kv_fixtures import hybrid_manager, make_request  # noqa: E402
+
+import _cgcount  # noqa: E402
+from _common import env_pure_python, transaction_form  # noqa: E402
+
+from vllm_kvguard import activation  # noqa: E402
 
 BS = 16
 FAMILIES = [[(f * 7919 + i * 31) % 997 + 3 for i in range(512)] for f in range(4)]
@@ -100,12 +115,17 @@ def replay(manager, sequence, lookahead: int) -> int:
     return ops
 
 
+def set_patch(patched: bool, pure_python: bool) -> None:
+    activation.deactivate()
+    if patched:                       # KVGUARD_PURE_PYTHON: ignored by builds without it
+        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
+                             "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
+
+
 def timed(sequence, lookahead: int, patched: bool, num_blocks: int,
           pure_python: bool = False) -> float:
     """ops/s of one replay on a fresh manager."""
-    if patched:
-        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
-                             "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
+    set_patch(patched, pure_python)
     try:
         manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
         gc.collect()
@@ -116,19 +136,86 @@ def timed(sequence, lookahead: int, patched: bool, num_blocks: int,
         activation.deactivate()
 
 
+def child_instructions(args, sequence, num_blocks: int) -> int:
+    """In a callgrind child: per lookahead, warm both paths uninstrumented, then count
+    one replay per side of ``--child`` (e.g. ``off,on,off``), each on a fresh manager."""
+    ops = []
+    for lookahead in (2, 4):
+        timed(sequence, lookahead, False, num_blocks)           # warm both paths
+        timed(sequence, lookahead, True, num_blocks, args.pure_python)
+        for side in args.child.split(","):
+            set_patch(side == "on", args.pure_python)
+            try:
+                manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
+                gc.collect()
+                ops.append(_cgcount.region(replay, manager, sequence, lookahead))
+            finally:
+                activation.deactivate()
+    _cgcount.emit(dict(regions=len(ops), ops=ops))
+    return 0
+
+
+def instructions(args, form: str) -> int:
+    why = _cgcount.available()
+    if why:
+        print(f"instructions: not counted ({why})")
+        return 1
+    sides = ["off", "on", "off"]
+    d = _cgcount.tmpdir()
+    argv = [os.path.abspath(__file__), "--requests", str(args.requests), "--steps",
+            str(args.steps), "--batch", str(args.batch), "--child", ",".join(sides)]
+    if args.pure_python:
+        argv.append("--pure-python")
+    t0 = time.monotonic()
+    try:
+        result, counts = _cgcount.finish(_cgcount.start(argv, os.path.join(d, "cg.out")),
+                                         os.path.join(d, "cg.out"), "allocator")
+    finally:
+        _cgcount.cleanup(d)
+    print(f"instructions: callgrind, one replay per side ({result['ops'][0]} allocate_slots "
+          f"+ free calls), one child process counting off, on, off per lookahead on fresh "
+          f"managers ({time.monotonic() - t0:.0f} s); transaction: {form}")
+    print(f"{'':14} {'off Ir':>14} {'on Ir':>14} {'on/off':>8} {'Ir/op off':>10} "
+          f"{'Ir/op on':>10}  off first/last")
+    worst = None
+    for i, lookahead in enumerate((2, 4)):
+        c = dict(off=[], on=[])
+        ops = result["ops"][i * len(sides)]
+        for side, n in zip(sides, counts[i * len(sides):(i + 1) * len(sides)]):
+            c[side].append(n)
+        off, on = statistics.fmean(c["off"]), statistics.fmean(c["on"])
+        ratio = on / off
+        worst = ratio if worst is None else max(worst, ratio)
+        print(f"lookahead {lookahead:<4} {off:>14,.0f} {on:>14,.0f} {ratio:8.4f} "
+              f"{off / ops:>10,.0f} {on / ops:>10,.0f}  "
+              f"{c['off'][1] / c['off'][0] - 1:+.4%}")
+    verdict = "PASS" if worst <= 1.03 else "MISS"
+    print(f"{verdict}: allocator replay with the patch at {1 / worst:.4f}x the unpatched one "
+          f"in instructions (worst on/off {worst:.4f}; target >= 0.97x, on/off <= 1.03)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--pure-python", action="store_true",
-                    help="run the transaction in Python even if the C accelerator is built")
+    ap.add_argument("--pure-python", action="store_true", default=env_pure_python(),
+                    help="run the transaction in Python even if the C accelerator is built "
+                         "(also KVGUARD_PURE_PYTHON=1; ignored by builds without one)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions of one replay off and on under callgrind "
+                         "instead of timing")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    form = ("pure Python" if args.pure_python or rollback._txn is None
-            else "C accelerator (vllm_kvguard._txn)")
+    form = transaction_form(args.pure_python)
     sequence = make_sequence(args.requests, args.steps, args.batch)
     num_blocks = 4096
+    if args.child:
+        return child_instructions(args, sequence, num_blocks)
+    if args.instructions:
+        return instructions(args, form)
     print(f"KVCacheManager: full attention + Mamba align, prefix caching on, block {BS}; "
           f"{args.requests} requests, batch {args.batch}, {args.rounds} off/on pairs; "
           f"transaction: {form}")

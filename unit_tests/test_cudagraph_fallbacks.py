@@ -168,7 +168,7 @@ def test_closure_has_the_host_signature_and_result(fdo):
 
 def test_internal_error_fails_open(fdo, mocker, kvguard_log):
     runner = armed_v1(fdo)
-    mocker.patch.object(fallbacks, "_uniform_reason", side_effect=RuntimeError("boom"))
+    mocker.patch.object(fallbacks, "uniform_reason", side_effect=RuntimeError("boom"))
     assert step(runner, [4] * 130) == "NONE"                # vLLM's answer, unchanged
     assert "dispatch" not in vars(runner.cudagraph_dispatcher)
     assert any("internal error" in m for m in kvguard_log.lines(logging.ERROR))

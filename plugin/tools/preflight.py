@@ -129,7 +129,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          weights_gib: float = 0.0, runner: str = "v1",
          cudagraph_mode: str = "FULL_AND_PIECEWISE") -> dict:
     from vllm_kvguard.fixes import capacity
-    from vllm_kvguard.fixes.coverage import audit, format_table
+    from vllm_kvguard.fixes.coverage import format_table
+    from vllm_kvguard.fixes.planner import audit
     from vllm_kvguard.tools.plan import plan_config, plan_owner
 
     kw: dict = dict(max_num_seqs=max_num_seqs)
