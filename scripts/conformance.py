@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="another pytest plugin (module name or .py path) loaded in the "
                          "patched passes only")
     ap.add_argument("--keep", action="store_true", help="keep the temporary run folder")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="only cache the sdist and the test dependencies (the matrix does "
+                         "this before the unit suite, whose runner test reads them)")
     ap.add_argument("tests", nargs="*", help="node ids inside the suite (default: all of it)")
     args = ap.parse_args(argv)
     venvs = _venvs()
@@ -476,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     except (venvs.PinError, venvs.InstallError, SetupError, OSError) as exc:
         print(f"conformance: {exc}", file=sys.stderr)
         return 2
+    if args.fetch_only:
+        print(f"conformance: {sdist} and {deps} ready in {prep} s")
+        return 0
     results = (args.results or REPO / "build" / "conformance" / pin.name).resolve()
     print(f"conformance on vLLM {pin.name}: {SUITE} of {sdist.name} "
           f"(cached in {cache}; ready in {prep} s), passes {', '.join(passes)}", flush=True)

@@ -122,6 +122,10 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     for var in ("KVGUARD", "KVGUARD_PATCHES", "KVGUARD_FORCE", "KVGUARD_FAULTS"):
         env.pop(var, None)                  # tests choose their own flags
     py = info["python"]
+    if wants_conformance(pin, args.conformance):     # the unit suite's runner test reads it
+        subprocess.call([sys.executable, str(REPO / "scripts" / "conformance.py"), "--pin",
+                         pin.name, "--python", py, "--fetch-only"], cwd=REPO, env=env,
+                        stdin=subprocess.DEVNULL)
 
     rec["unit"] = run_suite(f"{pin.name} unit",
                             pytest_cmd(py, ["unit_tests"], d / "unit.xml", None, args.pytest),
