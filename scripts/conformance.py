@@ -22,7 +22,10 @@ the tests name (into an offline Hugging Face cache inside the run, so nothing do
 keeps vLLM's caches (its model-inspection cache among them) inside the run, and records
 per test its outcome, the ``allocate_slots`` calls that went through the plugin's
 transaction and any audit violation. The files that start a real engine on a downloaded
-model are left out (:data:`EXCLUDE`).
+model are left out (:data:`EXCLUDE`). Every test gets vLLM's own ``skip_global_cleanup``
+marker (its per-test gc and distributed teardown, meant to be skipped for CPU unit tests;
+``--global-cleanup`` keeps it), in every pass alike. The passes run at once, one per CPU
+(``--jobs``), each with its own vLLM cache folder.
 
 A patched pass must prove the plugin was in place: the allocator applied, its wrapper on
 ``KVCacheManager.allocate_slots``, transactions run, no patch tripped and no internal
@@ -42,6 +45,7 @@ The top level is standard library only, like ``matrix.py``: it runs before any v
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -73,6 +77,7 @@ PLUGIN_NAME = "conformance"          # this file, as ``-p conformance``
 
 MODE_ENV = "KVGUARD_CONFORMANCE"
 STATS_ENV = "KVGUARD_CONFORMANCE_STATS"
+CLEANUP_ENV = "KVGUARD_CONFORMANCE_GLOBAL_CLEANUP"
 
 
 class SetupError(RuntimeError):
@@ -212,7 +217,9 @@ def ensure_test_deps(python: str, where: Path) -> Path:
 
 
 def pass_env(mode: str, run: Path, stats: Path, pythonpath: list[Path],
-             pycache: Path | None = None) -> dict:
+             pycache: Path | None = None, label: str | None = None,
+             global_cleanup: bool = False) -> dict:
+    label = label or mode
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KVGUARD") and k not in ("PYTHONPATH", "PYTEST_ADDOPTS",
                                                          "PYTHONDONTWRITEBYTECODE")}
@@ -222,7 +229,7 @@ def pass_env(mode: str, run: Path, stats: Path, pythonpath: list[Path],
         "PYTHONPATH": os.pathsep.join(map(str, pythonpath)),
         "HF_HOME": str(hf), "HF_HUB_CACHE": str(hf / "hub"), "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(run / "vllm-cache"),          # model inspection cache too
+        "VLLM_CACHE_ROOT": str(run / f"vllm-cache-{label}"),  # model inspection cache too
         "TORCHINDUCTOR_CACHE_DIR": str(run / "inductor"),
         "VLLM_RPC_BASE_PATH": str(run / "rpc"),
     })
@@ -231,6 +238,8 @@ def pass_env(mode: str, run: Path, stats: Path, pythonpath: list[Path],
         # write any compiles vLLM, torch and transformers from source: minutes per pass.
         # The byte-code goes beside the venv, never into it.
         env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    if global_cleanup:
+        env[CLEANUP_ENV] = "1"
     if mode != "plain":
         env["KVGUARD"] = "1"
     if mode == "audit":
@@ -252,7 +261,8 @@ def build_pytest_argv(python: str, junit: Path, selection: list[str], extra: lis
 def run_pass(mode: str, python: str, run: Path, results: Path, deps: Path, *,
              selection: list[str] | None = None, extra: list[str] = (),
              patched_plugins: list[str] = (), label: str | None = None,
-             pycache: Path | None = None, quiet: bool = False) -> dict:
+             pycache: Path | None = None, global_cleanup: bool = False,
+             quiet: bool = False) -> dict:
     """One pytest pass; returns ``{"mode", "rc", "seconds", "outcomes", "stats", ...}``."""
     label = label or mode
     stats = results / f"{label}.stats.json"
@@ -262,7 +272,8 @@ def run_pass(mode: str, python: str, run: Path, results: Path, deps: Path, *,
     plugins = list(patched_plugins) if mode != "plain" else []
     extra_paths = [Path(p).resolve().parent for p in plugins if p.endswith(".py")]
     plugins = [Path(p).stem if p.endswith(".py") else p for p in plugins]
-    env = pass_env(mode, run, stats, [HERE, deps, *extra_paths], pycache)
+    env = pass_env(mode, run, stats, [HERE, deps, *extra_paths], pycache, label,
+                   global_cleanup)
     cmd = build_pytest_argv(python, results / f"{label}.xml", selection or [], list(extra), plugins)
     log = results / f"{label}.log"
     t0 = time.monotonic()
@@ -341,7 +352,8 @@ def _names(tests: list[str], limit: int = 8) -> str:
 def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
                 extra: list[str] = (), selection: list[str] | None = None,
                 passes: tuple[str, ...] = PASSES, patched_plugins: list[str] = (),
-                keep: bool = False, pin: str = "", pycache: Path | None = None) -> dict:
+                keep: bool = False, pin: str = "", pycache: Path | None = None,
+                jobs: int | None = None, global_cleanup: bool = False) -> dict:
     """Run the passes, re-run differences once on both sides, compare; the report dict."""
     results.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -351,9 +363,15 @@ def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
     try:
         extract_tests(sdist, run)
         rec["extract_seconds"] = round(time.monotonic() - t0, 1)
-        kw = dict(selection=selection, extra=extra, patched_plugins=patched_plugins,
-                  pycache=pycache)
-        runs = {mode: run_pass(mode, python, run, results, deps, **kw) for mode in passes}
+        kw = dict(extra=extra, pycache=pycache, global_cleanup=global_cleanup)
+        jobs = jobs or min(len(passes), os.cpu_count() or 1)
+        rec["jobs"] = jobs
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {mode: pool.submit(run_pass, mode, python, run, results, deps,
+                                         selection=selection,
+                                         patched_plugins=patched_plugins, **kw)
+                       for mode in passes}
+            runs = {mode: f.result() for mode, f in futures.items()}
         plain = runs.get("plain")
         for mode, r in runs.items():
             entry = {"seconds": r["seconds"], "rc": r["rc"], "passed": count(r["outcomes"]),
@@ -377,11 +395,13 @@ def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
             entry["candidates"] = cand
             confirmed = cand
             if cand:          # once more on both sides: a flaky or load-bound test is not counted
-                again_p = run_pass("plain", python, run, results, deps, selection=cand,
-                                   extra=extra, label=f"{mode}-rerun-plain", pycache=pycache)
-                again_x = run_pass(mode, python, run, results, deps, selection=cand,
-                                   extra=extra, patched_plugins=patched_plugins,
-                                   label=f"{mode}-rerun-{mode}", pycache=pycache)
+                with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, jobs)) as pool:
+                    fp = pool.submit(run_pass, "plain", python, run, results, deps,
+                                     selection=cand, label=f"{mode}-rerun-plain", **kw)
+                    fx = pool.submit(run_pass, mode, python, run, results, deps,
+                                     selection=cand, patched_plugins=patched_plugins,
+                                     label=f"{mode}-rerun-{mode}", **kw)
+                    again_p, again_x = fp.result(), fx.result()
                 confirmed = sorted(t for t in cand if again_p["outcomes"].get(t) == "passed"
                                    and again_x["outcomes"].get(t) != "passed")
                 entry["rerun_seconds"] = round(again_p["seconds"] + again_x["seconds"], 1)
@@ -455,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="another pytest plugin (module name or .py path) loaded in the "
                          "patched passes only")
     ap.add_argument("--keep", action="store_true", help="keep the temporary run folder")
+    ap.add_argument("--jobs", type=int, help="passes run at once (default: one per CPU, at "
+                                             "most one per pass)")
+    ap.add_argument("--global-cleanup", action="store_true",
+                    help="keep vLLM's per-test global cleanup (gc + distributed teardown, "
+                         "~3 s a test on a busy machine); by default every test gets vLLM's "
+                         "own skip_global_cleanup marker, meant for CPU unit tests")
     ap.add_argument("--fetch-only", action="store_true",
                     help="only cache the sdist and the test dependencies (the matrix does "
                          "this before the unit suite, whose runner test reads them)")
@@ -487,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(cached in {cache}; ready in {prep} s), passes {', '.join(passes)}", flush=True)
     rec = conformance(python, sdist, deps, results, extra=extra, selection=args.tests,
                       passes=passes, patched_plugins=args.patched_plugin, keep=args.keep,
-                      pin=pin.name, pycache=root / "conformance-pycache" / pin.name)
+                      pin=pin.name, pycache=root / "conformance-pycache" / pin.name,
+                      jobs=args.jobs, global_cleanup=args.global_cleanup)
     rec["prepare_seconds"] = prep
     (results / "conformance.json").write_text(json.dumps(rec, indent=1) + "\n")
     for line in summary(rec):
@@ -636,6 +663,14 @@ def pytest_configure(config):
         return report(result, where)
 
     audit.report_violations = report_violations
+
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM's own marker for CPU unit tests: no per-test gc + distributed teardown."""
+    if _mode() is None or os.environ.get(CLEANUP_ENV):
+        return
+    for item in items:
+        item.add_marker("skip_global_cleanup")
 
 
 def pytest_runtest_logstart(nodeid, location):
