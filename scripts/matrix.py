@@ -7,12 +7,17 @@
     python3 scripts/matrix.py --unit-only
     python3 scripts/matrix.py -- -k allocator    # extra pytest arguments, on every pytest run
     python3 scripts/matrix.py --table            # print the truth table of the last run again
+    python3 scripts/matrix.py --conformance all  # vLLM's own tests/v1/core on every pin
 
 Per pin, in order: ensure its cached venv (``scripts/venvs.py``), run ``unit_tests/`` in full,
 run ``integration_tests/`` (all of it on ``suite=full`` pins, ``-m smoke`` on ``suite=smoke``
-ones), then probe what activation does there. Results go to ``--results`` (default
-``build/matrix/``): ``<pin>/unit.xml``, ``<pin>/integration.xml`` (JUnit), ``<pin>/facts.jsonl``
-(facts tests recorded), ``<pin>/probe.json``, ``<pin>/timings.json`` and ``matrix.json``.
+ones), then probe what activation does there, then (on the default pin, or every pin with
+``--conformance all``) run the conformance stage: vLLM's own ``tests/v1/core`` from the
+release's sdist, plain and with the plugin (``scripts/conformance.py``). Results go to
+``--results`` (default ``build/matrix/``): ``<pin>/unit.xml``, ``<pin>/integration.xml``
+(JUnit), ``<pin>/facts.jsonl`` (facts tests recorded), ``<pin>/probe.json``,
+``<pin>/conformance/`` (``conformance.json``, one JUnit file per pass),
+``<pin>/timings.json`` and ``matrix.json``.
 Prints per-pin timings, the truth table, and a closing ``matrix: N passed, N failed, N
 skipped`` line. Exits 0 only if every pin's venv built and every suite passed (a suite that
 selects no test counts as passed and is said so).
@@ -25,6 +30,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +59,8 @@ REPO = pinned.REPO
 #: A test without its own @pytest.mark.timeout still cannot eat the CI budget.
 DEFAULT_TEST_TIMEOUT = 600
 NO_TESTS_COLLECTED = 5
+#: The per-pin stages whose result decides the pin's.
+STAGES = ("unit", "integration", "probe", "conformance")
 
 
 def _fmt(seconds: float | None) -> str:
@@ -86,6 +94,7 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     for stale in ("unit.xml", "integration.xml", "facts.jsonl", "probe.json", "timings.json"):
         (d / stale).unlink(missing_ok=True)
+    shutil.rmtree(d / "conformance", ignore_errors=True)
     rec: dict = {"pin": pin.name, "requirement": pin.requirement, "ok": True}
     print(f"\n==== vLLM {pin.name} ({pin.requirement})", flush=True)
     try:
@@ -113,6 +122,10 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     for var in ("KVGUARD", "KVGUARD_PATCHES", "KVGUARD_FORCE", "KVGUARD_FAULTS"):
         env.pop(var, None)                  # tests choose their own flags
     py = info["python"]
+    if wants_conformance(pin, args.conformance):     # the unit suite's runner test reads it
+        subprocess.call([sys.executable, str(REPO / "scripts" / "conformance.py"), "--pin",
+                         pin.name, "--python", py, "--fetch-only"], cwd=REPO, env=env,
+                        stdin=subprocess.DEVNULL)
 
     rec["unit"] = run_suite(f"{pin.name} unit",
                             pytest_cmd(py, ["unit_tests"], d / "unit.xml", None, args.pytest),
@@ -131,14 +144,34 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     rec["probe"] = {"ok": probe.returncode == 0, "seconds": round(time.monotonic() - t0, 1)}
     if probe.returncode != 0:
         print(f"matrix: probe on {pin.name} failed:\n{probe.stderr[-2000:]}", file=sys.stderr)
-    rec["ok"] = all(rec[k]["ok"] for k in ("unit", "integration", "probe") if k in rec)
+    if wants_conformance(pin, args.conformance):
+        rec["conformance"] = run_conformance(pin, py, d / "conformance", env)
+    rec["ok"] = all(rec[k]["ok"] for k in STAGES if k in rec)
     (d / "timings.json").write_text(json.dumps(rec, indent=1))
     return rec
 
 
+def wants_conformance(pin: pinned.Pin, choice: str) -> bool:
+    """``--conformance``: ``default`` (the default pin only), ``all`` or ``none``."""
+    return choice == "all" or (choice == "default" and pin.default)
+
+
+def run_conformance(pin: pinned.Pin, python: str, out: Path, env: dict) -> dict:
+    """The conformance stage (``scripts/conformance.py``, stdlib: runs under this Python)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "conformance.py"), "--pin", pin.name,
+           "--python", python, "--results", str(out)]
+    print(f"\n---- {pin.name} conformance: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
+    secs = round(time.monotonic() - t0, 1)
+    note = {0: "", 1: "a vLLM outcome changed or a proof is missing",
+            2: "could not run (sdist, venv or test deps)"}.get(rc, f"exit {rc}")
+    return {"ok": rc == 0, "rc": rc, "seconds": secs, "note": note}
+
+
 def timing_table(recs: list[dict], total: float) -> str:
     lines = [f"{'pin':8} {'venv':>16} {'waited':>8} {'unit':>9} {'integration':>18} {'probe':>7}"
-             f"  result"]
+             f" {'conformance':>11}  result"]
     for r in recs:
         v = r.get("venv", {})
         venv = ("FAILED" if not v.get("ok") else
@@ -148,11 +181,12 @@ def timing_table(recs: list[dict], total: float) -> str:
         integ = (f"{_fmt(r['integration']['seconds'])} ({r['integration']['suite']})"
                  if "integration" in r else "-")
         probe = _fmt(r["probe"]["seconds"]) if "probe" in r else "-"
-        notes = [f"{k}: {r[k]['note']}" for k in ("unit", "integration")
+        conf = _fmt(r["conformance"]["seconds"]) if "conformance" in r else "-"
+        notes = [f"{k}: {r[k]['note']}" for k in ("unit", "integration", "conformance")
                  if k in r and r[k].get("note")]
         result = ("ok" if r["ok"] else "FAILED") + (f" ({'; '.join(notes)})" if notes else "")
         lines.append(f"{r['pin']:8} {venv:>16} {waited:>8} {unit:>9} {integ:>18} {probe:>7}"
-                     f"  {result}")
+                     f" {conf:>11}  {result}")
     lines.append(f"total {_fmt(total)}")
     return "\n".join(lines)
 
@@ -201,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-ahead", action="store_true",
                     help="build the next pins' venvs in the background while tests run "
                          "(a fresh CI machine: saves most of the install time)")
+    ap.add_argument("--conformance", choices=("default", "all", "none"), default="default",
+                    help="run vLLM's own tests/v1/core plain and with the plugin "
+                         "(scripts/conformance.py) on the default pin (default), on every "
+                         "selected pin, or nowhere")
     ap.add_argument("--table", action="store_true",
                     help="only print the truth table of the last run's results")
     args = ap.parse_args(argv)

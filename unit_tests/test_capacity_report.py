@@ -154,3 +154,87 @@ def test_report_lines_are_parseable():
     assert "group 1 MambaSpec(none, nsb=3) block_size=128: blocks/request at max_model_len " \
            "plain=1 spec=4" in text
     assert "per request: plain=9 spec=12; true max concurrency=8.25x (8 requests)" in text
+
+
+# ------------------------------------------------------------------ cost: once per KV config
+def _counting(monkeypatch, name: str) -> list:
+    calls: list = []
+    real = getattr(capacity, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capacity, name, counted)
+    return calls
+
+
+def test_figures_are_computed_once_per_kv_configuration(monkeypatch):
+    """A second Scheduler with the same KV configuration (any pool size) reuses the
+    per-group figures; another max_model_len computes them again."""
+    capacity.clear_cache()
+    calls = _counting(monkeypatch, "reserved_blocks")
+    cfg = make_config(mml=256, k=2, lookahead=2)
+    first = capacity.compute(cfg, make_kv_cache_config([spec_full(16), spec_swa(16, 64)], 100))
+    n = len(calls)
+    assert n > 0
+    again = capacity.compute(cfg, make_kv_cache_config([spec_full(16), spec_swa(16, 64)], 500))
+    assert len(calls) == n
+    assert [(g.plain, g.spec, g.decode) for g in again.groups] == \
+           [(g.plain, g.spec, g.decode) for g in first.groups]
+    assert (first.num_blocks, again.num_blocks) == (100, 500)
+    assert again.true_concurrency > first.true_concurrency
+    capacity.compute(make_config(mml=512, k=2, lookahead=2),
+                     make_kv_cache_config([spec_full(16), spec_swa(16, 64)], 100))
+    assert len(calls) > n
+
+
+def test_no_speculation_scans_once():
+    """Without drafts or lookahead the plain and the speculative peak are the same pass."""
+    capacity.clear_cache()
+    cfg = make_config(mml=128)
+    cap = capacity.compute(cfg, make_kv_cache_config([spec_full(16)], 100))
+    assert [(g.plain, g.spec) for g in cap.groups] == [(8, 8)]
+
+
+def test_our_estimate_registered_is_called_directly(monkeypatch):
+    """With only our own kvguard_reserved_blocks registered (activation), the loops call
+    reserved_blocks itself, not the pluggy hook."""
+    from vllm_kvguard import manager
+    from vllm_kvguard.fixes import estimate
+
+    capacity.clear_cache()
+    manager.register(estimate, "kvguard.estimate")
+    try:
+        def through_pluggy(*_a, **_k):
+            raise AssertionError("the hook path was used")
+
+        monkeypatch.setattr(capacity, "reserved", through_pluggy)
+        cap = capacity.compute(make_config(mml=128, k=3, lookahead=0),
+                               make_kv_cache_config([spec_full(16)], 100))
+        assert cap.groups[0].spec == 8
+    finally:
+        manager.unregister("kvguard.estimate")
+
+
+def test_a_third_party_estimate_answers_and_is_not_cached():
+    from vllm_kvguard import manager
+    from vllm_kvguard.fixes.estimate import Reserved
+    from vllm_kvguard.hookspecs import hookimpl
+
+    class Mine:
+        @hookimpl
+        def kvguard_reserved_blocks(self, spec, num_tokens):
+            return Reserved(7, 7)
+
+    capacity.clear_cache()
+    cfg = make_config(mml=128)
+    kvc = make_kv_cache_config([spec_full(16)], 100)
+    manager.register(Mine(), "test.mine")
+    try:
+        cap = capacity.compute(cfg, kvc)
+        assert [(g.plain, g.spec, g.decode) for g in cap.groups] == [(7, 7, 7)]
+    finally:
+        manager.unregister("test.mine")
+    cap = capacity.compute(cfg, kvc)
+    assert [(g.plain, g.spec, g.decode) for g in cap.groups] == [(8, 8, 1)]

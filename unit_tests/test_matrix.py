@@ -254,3 +254,42 @@ def test_smoke_pins_select_the_smoke_marker(tmp_path):
     cmd = matrix.pytest_cmd("py", ["integration_tests"], tmp_path / "i.xml", "smoke", ["-x"])
     assert cmd[:3] == ["py", "-m", "pytest"] and cmd[-3:] == ["-m", "smoke", "-x"]
     assert f"--timeout={matrix.DEFAULT_TEST_TIMEOUT}" in cmd
+
+
+# ------------------------------------------------------------------------------ conformance
+def test_conformance_stage_runs_on_the_default_pin_unless_asked():
+    pins = venvs.read_pins()
+    default = venvs.find_pin("default", pins)
+    other = next(p for p in pins if not p.default)
+    assert matrix.wants_conformance(default, "default")
+    assert not matrix.wants_conformance(other, "default")
+    assert matrix.wants_conformance(other, "all")
+    assert not matrix.wants_conformance(default, "none")
+    assert "conformance" in matrix.STAGES
+
+
+def test_conformance_row_per_pin(tmp_path):
+    results = tmp_path / "results"
+    passes = {m: {"passed": 941, "newly_failing": []} for m in ("plain", "patched", "audit")}
+    records = {
+        "0.29.0": {"ok": False, "problems": ["patched: 2 newly failing"],
+                   "passes": {**passes, "patched": {"passed": 939,
+                                                    "newly_failing": ["a", "b"]}}},
+        "0.32.0": {"ok": True, "problems": [], "passes": passes},
+    }
+    for pin, rec in records.items():
+        (results / pin / "conformance").mkdir(parents=True)
+        (results / pin / "conformance" / "conformance.json").write_text(json.dumps(rec))
+    (results / "0.33.0").mkdir()
+    (results / "matrix.json").write_text(json.dumps({"pins": ["0.29.0", "0.32.0", "0.33.0"]}))
+    table = truth_table.render(truth_table.load(results))
+    row = next(line for line in table.splitlines() if line.startswith("| conformance"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["conformance", "FAILED (2 newly failing; 941 plain; 939 patched; 941 audit)",
+                     "passed (941 plain; 941 patched; 941 audit)", "not run"]
+    recs = [{"pin": "0.29.0", "ok": False,
+             "venv": {"ok": True, "seconds": 1, "built": False, "waited": 0},
+             "conformance": {"ok": False, "seconds": 200.0, "rc": 1,
+                             "note": "a vLLM outcome changed or a proof is missing"}}]
+    line = matrix.timing_table(recs, 1.0).splitlines()[1]
+    assert "3.3 min" in line and "conformance: a vLLM outcome changed" in line

@@ -14,6 +14,12 @@ This report recomputes, from the reserved-block model
 * on models with Mamba groups: how many decoding sequences fit at once against
   ``max_num_seqs`` (what FULL decode CUDA graphs are captured for), with a warning naming
   the numbers and the flag to change when they do not.
+
+Cost: the per-group figures (about 170 reserved-block evaluations per group) are computed
+once per KV configuration (the specs and the scalar settings they depend on) and reused by
+every later ``Scheduler`` built with it; the loops call
+:func:`~vllm_kvguard.fixes.estimate.reserved_blocks` directly unless a third-party
+``kvguard_reserved_blocks`` implementation is registered (then the hook answers, uncached).
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimate import lookahead_tokens, manager_block_size, reserved
+from vllm_kvguard.fixes import estimate as _estimate
+from vllm_kvguard.fixes.estimate import (lookahead_tokens, manager_block_size, reserved,
+                                         reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 from vllm_kvguard.report import count
@@ -72,9 +80,10 @@ class Capacity:
 
 
 def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: int,
-                encoder_len: int = 0, dcp: int = 1) -> int:
+                encoder_len: int = 0, dcp: int = 1, estimate=None) -> int:
     """The most blocks one request holds in the group on its way to ``max_model_len``, over
     every prompt length: prefill in ``chunk``-token chunks, then decode steps of ``step``.
+    ``estimate`` is the reserved-block function (default: :func:`_estimator`).
 
     What a step holds depends on where it starts (``C``) only through ``C`` modulo the
     block size and, for sliding-window / chunked-local groups, the window; so scanning one
@@ -89,10 +98,11 @@ def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: i
     top = max(0, mml - chunk)
     points.update((min(c + chunk, mml), c)
                   for c in range(max(0, top - period), min(mml, top + 2 * bsz + 1)))
+    fn = estimate or _estimator()
     best = 0
     for n, c in points:
-        r = reserved(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
-                     num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
+        r = fn(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
+               num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
         if r is None:
             raise LookupError(type(spec).__name__)
         best = max(best, r.physical)
@@ -130,6 +140,81 @@ def _full_decode_graphs(vllm_config) -> bool | None:
         return None
 
 
+def _third_party_estimates() -> bool:
+    """Whether a ``kvguard_reserved_blocks`` implementation other than ours is registered."""
+    from vllm_kvguard.manager import impls
+
+    return any(impl.plugin is not _estimate for impl in impls("kvguard_reserved_blocks"))
+
+
+def _estimator():
+    """:func:`reserved_blocks` itself, or the hook path when a third party may answer."""
+    return reserved if _third_party_estimates() else reserved_blocks
+
+
+#: {KV configuration key: per-group figures}; bounded (one entry per distinct KV config).
+_GROUPS_CACHE: dict = {}
+_GROUPS_CACHE_MAX = 64
+
+
+def _spec_key(spec):
+    try:
+        hash(spec)
+        return (type(spec), spec)
+    except TypeError:                       # a spec with an unhashable field
+        return (type(spec), repr(spec))
+
+
+def _group_figures(specs, *, mml: int, k: int, la: int, dcp: int, chunk: int, enc: int,
+                   estimate) -> list[GroupCapacity]:
+    """Per non-host group: (index, spec) -> :class:`GroupCapacity` (the costly part)."""
+    out = []
+    for i, spec in specs:
+        no_spec = _without_spec_blocks(spec)
+        with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk,
+                                lookahead=la, encoder_len=enc, dcp=dcp, estimate=estimate)
+        if k == 0 and la == 0 and no_spec is spec:   # the same pass: no speculation at all
+            plain = with_spec
+        else:
+            plain = peak_blocks(no_spec, max_model_len=mml, step=1, chunk=chunk, lookahead=0,
+                                encoder_len=enc, dcp=dcp, estimate=estimate)
+        is_mamba = hasattr(spec, "mamba_cache_mode")
+        bsz = manager_block_size(spec, dcp)
+        # A short decoding sequence: attention at its smallest; Mamba at its worst step
+        # (align holds 2 + nsb on the step that enters a new block).
+        starts = range(1, min(mml, bsz + k + 2)) if is_mamba else (1,)
+        decode = 0
+        for c in starts:
+            r = estimate(spec, min(mml, c + 1 + k), num_lookahead_tokens=la,
+                         max_model_len=mml, num_encoder_tokens=enc, dcp=dcp,
+                         num_computed_tokens=c)
+            if r is None:
+                raise LookupError(type(spec).__name__)
+            decode = max(decode, r.physical)
+        out.append(GroupCapacity(i, _describe(spec), bsz, plain, with_spec, decode,
+                                 is_mamba=is_mamba))
+    return out
+
+
+def _groups(specs, **settings) -> list[GroupCapacity]:
+    """:func:`_group_figures`, computed once per KV configuration (fresh copies returned).
+    Uncached when a third-party ``kvguard_reserved_blocks`` may answer."""
+    if _third_party_estimates():
+        return _group_figures(specs, estimate=reserved, **settings)
+    key = (tuple((i, _spec_key(s)) for i, s in specs), tuple(sorted(settings.items())))
+    figures = _GROUPS_CACHE.get(key)
+    if figures is None:
+        figures = _group_figures(specs, estimate=reserved_blocks, **settings)
+        if len(_GROUPS_CACHE) >= _GROUPS_CACHE_MAX:
+            _GROUPS_CACHE.clear()
+        _GROUPS_CACHE[key] = figures
+    return [dataclasses.replace(g) for g in figures]
+
+
+def clear_cache() -> None:
+    _GROUPS_CACHE.clear()
+
+
 def compute(vllm_config, kv_cache_config) -> Capacity:
     mml = int(vllm_config.model_config.max_model_len)
     sched = vllm_config.scheduler_config
@@ -144,26 +229,15 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
                    max_num_seqs=int(sched.max_num_seqs), num_spec_tokens=k, lookahead=la,
                    vllm_concurrency=_vllm_concurrency(vllm_config, kv_cache_config),
                    full_decode_graphs=_full_decode_graphs(vllm_config))
+    specs = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         if getattr(group, "host_resident", False):
             continue
         spec = group.kv_cache_spec
         if type(spec).__name__ == "UniformTypeKVCacheSpecs":
             spec = spec.first_spec
-        plain = peak_blocks(_without_spec_blocks(spec), max_model_len=mml, step=1,
-                            chunk=chunk, lookahead=0, encoder_len=enc, dcp=dcp)
-        with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk,
-                                lookahead=la, encoder_len=enc, dcp=dcp)
-        is_mamba = hasattr(spec, "mamba_cache_mode")
-        bsz = manager_block_size(spec, dcp)
-        # A short decoding sequence: attention at its smallest; Mamba at its worst step
-        # (align holds 2 + nsb on the step that enters a new block).
-        starts = range(1, min(mml, bsz + k + 2)) if is_mamba else (1,)
-        decode = max(reserved(spec, min(mml, c + 1 + k), num_lookahead_tokens=la,
-                                     max_model_len=mml, num_encoder_tokens=enc, dcp=dcp,
-                                     num_computed_tokens=c).physical for c in starts)
-        cap.groups.append(GroupCapacity(i, _describe(spec), bsz, plain, with_spec, decode,
-                                        is_mamba=is_mamba))
+        specs.append((i, spec))
+    cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc)
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)

@@ -24,6 +24,8 @@ Where the cells come from (``scripts/matrix.py`` writes ``DIR/<pin>/``):
 
   A defect recorded by a test that then failed is shown with a ``?``.
 * ``unit.xml`` / ``integration.xml``: the pin's JUnit results (totals row).
+* ``conformance/conformance.json``: the conformance stage (``scripts/conformance.py``:
+  vLLM's own ``tests/v1/core`` plain and with the plugin), the ``conformance`` row.
 """
 from __future__ import annotations
 
@@ -153,7 +155,13 @@ def load(results: Path) -> dict:
     data = {"pins": pins, "per_pin": {}}
     for pin in pins:
         d = results / pin
-        entry: dict = {"probe": None, "facts": [], "cases": {}, "totals": {}}
+        entry: dict = {"probe": None, "facts": [], "cases": {}, "totals": {},
+                       "conformance": None}
+        try:
+            entry["conformance"] = json.loads((d / "conformance" / "conformance.json")
+                                              .read_text())
+        except (OSError, ValueError):
+            pass
         try:
             entry["probe"] = json.loads((d / "probe.json").read_text())
         except (OSError, ValueError):
@@ -201,6 +209,20 @@ def _defect_cell(facts: list[dict], cases: dict[str, str]) -> str:
     else:
         cell = "present" if values.pop() else "fixed"
     return cell + ("?" if doubtful else "")
+
+
+def conformance_cell(rec: dict | None) -> str:
+    """``passed (941 plain; 941 patched, 941 audit)`` or ``FAILED (...)``."""
+    if not rec:
+        return "not run"
+    passes = rec.get("passes") or {}
+    counts = "; ".join(f"{passes[m]['passed']} {m}" for m in ("plain", "patched", "audit")
+                       if m in passes)
+    if rec.get("ok"):
+        return f"passed ({counts})"
+    newly = sum(len(passes[m].get("newly_failing") or []) for m in passes)
+    why = f"{newly} newly failing" if newly else (rec.get("problems") or ["?"])[0]
+    return f"FAILED ({why}; {counts})" if counts else f"FAILED ({why})"
 
 
 def _md(rows: list[list[str]]) -> str:
@@ -252,6 +274,8 @@ def render(data: dict) -> str:
             cells.append("not run" if t is None else
                          f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped")
         rows.append([suite] + cells)
+    rows.append(["conformance"] + [conformance_cell(per_pin[p].get("conformance"))
+                                   for p in pins])
     parts += ["", _md(rows)]
     return "\n".join(parts)
 
