@@ -8,10 +8,7 @@ block ids handed to the SchedulerOutput, the per-step drains, events, frees), co
 batching over shared prompt families so prefix hits happen. Each off/on pair gives a
 ratio (on ops/s / off ops/s, ops = allocate_slots + free calls, CPU time of this
 process); the median pair ratio is printed with ops/s. Target >= 0.95, stretch 0.98.
-"On" is the allocator patch as installed: its transaction runs in the C accelerator when
-that was built (``vllm_kvguard._txn``), else in Python; ``--pure-python`` (or
-``KVGUARD_PURE_PYTHON=1`` in the environment) measures the Python form where the build
-still has a C accelerator, and is ignored (and said so) where it has none.
+"On" is the allocator patch as installed (its one Python transaction).
 
 ``--instructions`` counts instead, exactly, the instructions of one replay with the patch
 off and on under callgrind (one child process: for each lookahead, a replay off and on
@@ -19,7 +16,7 @@ uninstrumented to warm up, then replays off, on, off on fresh managers, each cou
 alone; see ``_cgcount.py``), and prints on/off (target <= 1.03, i.e. >= 0.97x).
 
     python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
-                                         [--pure-python] [--instructions]
+                                         [--instructions]
 """
 from __future__ import annotations
 
@@ -31,15 +28,8 @@ import statistics
 import sys
 import time
 
-try:                                  # where the fixtures live now
-    from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request
-except ImportError:                   # before they moved: the unit tests' module
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                    "unit_tests"))
-    from kv_fixtures import hybrid_manager, make_request  # noqa: E402
-
 import _cgcount  # noqa: E402
-from _common import env_pure_python, transaction_form  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request  # noqa: E402
 
 from vllm_kvguard import activation  # noqa: E402
 
@@ -115,17 +105,15 @@ def replay(manager, sequence, lookahead: int) -> int:
     return ops
 
 
-def set_patch(patched: bool, pure_python: bool) -> None:
+def set_patch(patched: bool) -> None:
     activation.deactivate()
-    if patched:                       # KVGUARD_PURE_PYTHON: ignored by builds without it
-        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
-                             "KVGUARD_PURE_PYTHON": "1" if pure_python else "0"})
+    if patched:
+        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
 
 
-def timed(sequence, lookahead: int, patched: bool, num_blocks: int,
-          pure_python: bool = False) -> float:
+def timed(sequence, lookahead: int, patched: bool, num_blocks: int) -> float:
     """ops/s of one replay on a fresh manager."""
-    set_patch(patched, pure_python)
+    set_patch(patched)
     try:
         manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
         gc.collect()
@@ -142,9 +130,9 @@ def child_instructions(args, sequence, num_blocks: int) -> int:
     ops = []
     for lookahead in (2, 4):
         timed(sequence, lookahead, False, num_blocks)           # warm both paths
-        timed(sequence, lookahead, True, num_blocks, args.pure_python)
+        timed(sequence, lookahead, True, num_blocks)
         for side in args.child.split(","):
-            set_patch(side == "on", args.pure_python)
+            set_patch(side == "on")
             try:
                 manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
                 gc.collect()
@@ -164,8 +152,6 @@ def instructions(args, form: str) -> int:
     d = _cgcount.tmpdir()
     argv = [os.path.abspath(__file__), "--requests", str(args.requests), "--steps",
             str(args.steps), "--batch", str(args.batch), "--child", ",".join(sides)]
-    if args.pure_python:
-        argv.append("--pure-python")
     t0 = time.monotonic()
     try:
         result, counts = _cgcount.finish(_cgcount.start(argv, os.path.join(d, "cg.out")),
@@ -201,15 +187,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--pure-python", action="store_true", default=env_pure_python(),
-                    help="run the transaction in Python even if the C accelerator is built "
-                         "(also KVGUARD_PURE_PYTHON=1; ignored by builds without one)")
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions of one replay off and on under callgrind "
                          "instead of timing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    form = transaction_form(args.pure_python)
+    form = "one Python transaction"
     sequence = make_sequence(args.requests, args.steps, args.batch)
     num_blocks = 4096
     if args.child:
@@ -222,11 +205,11 @@ def main(argv=None) -> int:
     worst = None
     for lookahead in (2, 4):
         timed(sequence, lookahead, False, num_blocks)           # warm both paths
-        timed(sequence, lookahead, True, num_blocks, args.pure_python)
+        timed(sequence, lookahead, True, num_blocks)
         off, on, ratios = [], [], []
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
-            res = {p: timed(sequence, lookahead, p, num_blocks, args.pure_python)
+            res = {p: timed(sequence, lookahead, p, num_blocks)
                    for p in order}
             off.append(res[False])
             on.append(res[True])

@@ -30,11 +30,6 @@ Two figures, as on/off ratios side by side
 
     python benchmarks/bench_scheduler.py [--pairs 15] [--steps 24] [--instr-steps 4]
                                          [--warmup 16] [--no-instructions] [--no-cpu]
-                                         [--pure-python]
-
-``--pure-python`` (or ``KVGUARD_PURE_PYTHON=1`` in the environment) asks for the Python
-form of the allocator transaction where the installed plugin still has a C accelerator;
-where it has none the flag is ignored and said so.
 """
 from __future__ import annotations
 
@@ -50,7 +45,6 @@ import sys
 import time
 
 import _cgcount
-from _common import env_pure_python, transaction_form
 
 BLOCK_SIZE = 16
 K = 3                       # ngram draft tokens
@@ -233,24 +227,17 @@ class Run:
 
 
 # ------------------------------------------------------------------ plugin on / off
-def plugin_env(pure_python: bool) -> dict:
-    env = {"KVGUARD": "1"}
-    if pure_python:
-        env["KVGUARD_PURE_PYTHON"] = "1"     # ignored by builds without the flag
-    return env
-
-
-def set_plugin(on: bool, pure_python: bool) -> None:
+def set_plugin(on: bool) -> None:
     from vllm_kvguard import activation
 
     activation.deactivate()
     if on:
-        activation.activate(plugin_env(pure_python))
+        activation.activate({"KVGUARD": "1"})
 
 
 def sample(on: bool, args, n_steps: int) -> tuple[float, dict]:
     """CPU seconds of ``n_steps`` steps after warm-up on a fresh scheduler."""
-    set_plugin(on, args.pure_python)
+    set_plugin(on)
     try:
         run = Run(args.requests, args.k, args.num_blocks, args.seed)
         run.steps(args.warmup)
@@ -259,7 +246,7 @@ def sample(on: bool, args, n_steps: int) -> tuple[float, dict]:
         run.steps(n_steps)
         return time.process_time() - t0, run.summary()
     finally:
-        set_plugin(False, args.pure_python)
+        set_plugin(False)
 
 
 # ------------------------------------------------------------------ instruction counts
@@ -268,13 +255,13 @@ def child_instructions(args) -> int:
     scheduler, warm-up uninstrumented, then ``--instr-steps`` steps counted."""
     summaries = []
     for side in args.child.split(","):
-        set_plugin(side == "on", args.pure_python)
+        set_plugin(side == "on")
         run = Run(args.requests, args.k, args.num_blocks, args.seed)
         run.steps(args.warmup)
         gc.collect()
         _cgcount.region(run.steps, args.instr_steps)
         summaries.append(run.summary())
-        set_plugin(False, args.pure_python)
+        set_plugin(False)
     _cgcount.emit(dict(regions=len(summaries), summaries=summaries))
     return 0
 
@@ -290,8 +277,6 @@ def instructions(args) -> dict:
     base = [os.path.abspath(__file__), "--requests", str(args.requests), "--k", str(args.k),
             "--num-blocks", str(args.num_blocks), "--seed", str(args.seed),
             "--warmup", str(args.warmup), "--instr-steps", str(args.instr_steps)]
-    if args.pure_python:
-        base.append("--pure-python")
     seqs = ["off", "on"] if args.separate else ["off,on,off"]
     try:
         return _instructions(args, d, base, seqs)
@@ -349,10 +334,6 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--keep-profiles", action="store_true",
                     help="keep the callgrind profiles (callgrind_annotate them)")
-    ap.add_argument("--pure-python", action="store_true",
-                    default=env_pure_python(),
-                    help="Python form of the allocator transaction (builds with a C "
-                         "accelerator only; also KVGUARD_PURE_PYTHON=1)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quiet(args.verbose)
@@ -361,13 +342,12 @@ def main(argv=None) -> int:
 
     import vllm
 
-    form = transaction_form(args.pure_python)
     print(f"vLLM {vllm.__version__} Scheduler.schedule + update_from_output, no model; "
           f"KV groups: full attention + Mamba (align), block {BLOCK_SIZE}, pool "
           f"{args.num_blocks} blocks, prefix caching on; ngram spec decode k={args.k} "
           f"(ragged acceptance); {RUNNING} running of {args.requests} requests, budget "
           f"{MAX_BATCHED} tokens/step; warm-up {args.warmup} steps; plugin on = "
-          f"activate(KVGUARD=1), allocator transaction: {form}")
+          f"activate(KVGUARD=1)")
     rows = []
     instr = None
     if not args.no_instructions:

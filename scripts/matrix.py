@@ -135,7 +135,7 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
         rec["integration"] = run_suite(
             f"{pin.name} integration ({suite})",
             pytest_cmd(py, ["integration_tests"], d / "integration.xml",
-                       "smoke" if suite == "smoke" else None, args.pytest), env)
+                       integration_marker(suite, args.skip_slow), args.pytest), env)
         rec["integration"]["suite"] = suite
     t0 = time.monotonic()
     probe = subprocess.run([py, "-m", "vllm_kvguard.tools.truth_table", "probe",
@@ -149,6 +149,14 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     rec["ok"] = all(rec[k]["ok"] for k in STAGES if k in rec)
     (d / "timings.json").write_text(json.dumps(rec, indent=1))
     return rec
+
+
+def integration_marker(suite: str, skip_slow: bool) -> str | None:
+    """The ``-m`` expression of a pin's integration suite (``--skip-slow``: no ``slow``)."""
+    marker = "smoke" if suite == "smoke" else None
+    if skip_slow:
+        marker = f"{marker} and not slow" if marker else "not slow"
+    return marker
 
 
 def wants_conformance(pin: pinned.Pin, choice: str) -> bool:
@@ -235,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-ahead", action="store_true",
                     help="build the next pins' venvs in the background while tests run "
                          "(a fresh CI machine: saves most of the install time)")
+    ap.add_argument("--skip-slow", action="store_true",
+                    help="leave out the integration tests marked slow (the longest real-server "
+                         "configurations); CI uses it")
     ap.add_argument("--conformance", choices=("default", "all", "none"), default="default",
                     help="run vLLM's own tests/v1/core plain and with the plugin "
                          "(scripts/conformance.py) on the default pin (default), on every "

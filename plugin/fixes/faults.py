@@ -11,6 +11,7 @@ import logging
 import random
 import threading
 
+from vllm_kvguard import report
 from vllm_kvguard.flags import FaultSpec
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
@@ -53,6 +54,7 @@ class Injector:
     def kvguard_inject_fault(self, pool, num_blocks):
         sched = self.schedule
         if sched.should_fail():
+            report.count("fault", "injected")      # every process's count reaches /metrics
             return InjectedFault(f"injected: Cannot get {num_blocks} free blocks from the "
                                  f"pool (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
         return None

@@ -50,10 +50,16 @@ class PoolJournal:
     #: Signatures with a shadow of the exact parameters (no ``*args`` repacking on the
     #: hot path); other signatures get the generic shadow.
     EXACT = {
-        "get_new_blocks": (("num_blocks",), ()),
-        "touch": (("blocks",), ()),
-        "cache_full_blocks": (("request", "blocks", "num_cached_blocks", "num_full_blocks",
-                               "block_size", "kv_cache_group_id", "block_mask"), (None,)),
+        "get_new_blocks": {(("num_blocks",), ()): "_get_new_blocks_exact"},
+        "touch": {(("blocks",), ()): "_touch_exact"},
+        "cache_full_blocks": {(("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                                "block_size", "kv_cache_group_id", "block_mask"), (None,)):
+                              "_cache_full_blocks_exact"},
+        "cache_partial_block": {
+            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size"), ()):
+                "_cache_partial_block_exact5",
+            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size",
+              "replace_existing_hashes"), (False,)): "_cache_partial_block_exact6"},
     }
 
     def __init__(self, pool, shadows: dict):
@@ -73,10 +79,8 @@ class PoolJournal:
             func = getattr(self.cls, name, None)
             if func is None:
                 continue
-            exact = self.EXACT.get(name)
-            shadow = getattr(self, "_" + name)
-            if exact is not None and _params(func) == exact:
-                shadow = getattr(self, f"_{name}_exact")
+            exact = self.EXACT.get(name, {}).get(_params(func))
+            shadow = getattr(self, exact or "_" + name)
             if not self.shadows[name].set(self.pool, shadow):
                 for n in done:
                     self.shadows[n].unset(self.pool)
@@ -166,6 +170,23 @@ class PoolJournal:
             cached = blocks[start:end]       # vLLM hashes only these (not yet cached) ones
         log.append((CACHE, self, cached))
         return self.cls.cache_full_blocks(self.pool, *args, **kwargs)
+
+    def _cache_partial_block_exact5(self, request, block, num_tokens, kv_cache_group_id,
+                                    block_size):
+        if (log := self.log) is not None:
+            self._start(log)
+            log.append((CACHE, self, [block]))
+        return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                            kv_cache_group_id, block_size)
+
+    def _cache_partial_block_exact6(self, request, block, num_tokens, kv_cache_group_id,
+                                    block_size, replace_existing_hashes=False):
+        if (log := self.log) is not None:
+            self._start(log)
+            log.append((CACHE, self, [block]))
+        return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
+                                            kv_cache_group_id, block_size,
+                                            replace_existing_hashes)
 
     def _cache_partial_block(self, *args, **kwargs):
         if (log := self.log) is None:
