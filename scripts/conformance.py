@@ -274,7 +274,8 @@ def run_pass(mode: str, python: str, run: Path, results: Path, deps: Path, *,
     plugins = [Path(p).stem if p.endswith(".py") else p for p in plugins]
     env = pass_env(mode, run, stats, [HERE, deps, *extra_paths], pycache, label,
                    global_cleanup)
-    cmd = build_pytest_argv(python, results / f"{label}.xml", selection or [], list(extra), plugins)
+    cmd = build_pytest_argv(python, results / f"{label}.xml", selection or [], list(extra),
+                            plugins)
     log = results / f"{label}.log"
     t0 = time.monotonic()
     with open(log, "w") as fh:
@@ -385,6 +386,8 @@ def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
                 entry["violations"] = st.get("violations") or {}
             if not r["outcomes"]:
                 entry["proof_missing"].append("no test outcome recorded")
+            if r["rc"] not in (0, 1):                 # 1: some test failed (both sides)
+                entry["proof_missing"].append(f"pytest exit {r['rc']} (log: {r['log']})")
             rec["passes"][mode] = entry
             rec["problems"] += [f"{mode}: {p}" for p in entry["proof_missing"]]
         for mode in passes:
@@ -496,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         if python is None:
             python = venvs.ensure(pin, REPO)["python"]
         version = pin.requirement.split("==", 1)[1].strip()
-        root = Path(os.path.abspath(python)).parent.parent.parent if args.python else venvs.venv_root()
+        # Caches live beside the venv: in its parent folder (the venv root).
+        root = (Path(os.path.abspath(python)).parent.parent.parent if args.python
+                else venvs.venv_root())
         cache = (args.sdist_cache or root / "sdists").resolve()
         t0 = time.monotonic()
         sdist = fetch_sdist(version, python, cache)
