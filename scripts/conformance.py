@@ -274,7 +274,8 @@ def run_pass(mode: str, python: str, run: Path, results: Path, deps: Path, *,
     plugins = [Path(p).stem if p.endswith(".py") else p for p in plugins]
     env = pass_env(mode, run, stats, [HERE, deps, *extra_paths], pycache, label,
                    global_cleanup)
-    cmd = build_pytest_argv(python, results / f"{label}.xml", selection or [], list(extra), plugins)
+    cmd = build_pytest_argv(python, results / f"{label}.xml", selection or [], list(extra),
+                            plugins)
     log = results / f"{label}.log"
     t0 = time.monotonic()
     with open(log, "w") as fh:
@@ -385,6 +386,8 @@ def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
                 entry["violations"] = st.get("violations") or {}
             if not r["outcomes"]:
                 entry["proof_missing"].append("no test outcome recorded")
+            if r["rc"] not in (0, 1):                 # 1: some test failed (both sides)
+                entry["proof_missing"].append(f"pytest exit {r['rc']} (log: {r['log']})")
             rec["passes"][mode] = entry
             rec["problems"] += [f"{mode}: {p}" for p in entry["proof_missing"]]
         for mode in passes:
@@ -496,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         if python is None:
             python = venvs.ensure(pin, REPO)["python"]
         version = pin.requirement.split("==", 1)[1].strip()
-        root = Path(os.path.abspath(python)).parent.parent.parent if args.python else venvs.venv_root()
+        # Caches live beside the venv: in its parent folder (the venv root).
+        root = (Path(os.path.abspath(python)).parent.parent.parent if args.python
+                else venvs.venv_root())
         cache = (args.sdist_cache or root / "sdists").resolve()
         t0 = time.monotonic()
         sdist = fetch_sdist(version, python, cache)
@@ -544,6 +549,16 @@ MODELS = {
     "facebook/opt-350m": {**_OPT, "do_layer_norm_before": False, "ffn_dim": 4096,
                           "hidden_size": 1024, "num_attention_heads": 16,
                           "num_hidden_layers": 24, "word_embed_proj_dim": 512},
+    # ModelConfig()'s default model.
+    "Qwen/Qwen3-0.6B": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                        "hidden_size": 1024, "intermediate_size": 3072, "head_dim": 128,
+                        "num_attention_heads": 16, "num_key_value_heads": 8,
+                        "num_hidden_layers": 28, "max_position_embeddings": 40960,
+                        "max_window_layers": 28, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                        "sliding_window": None, "use_sliding_window": False,
+                        "attention_bias": False, "tie_word_embeddings": True,
+                        "torch_dtype": "bfloat16", "vocab_size": 151936, "bos_token_id": 151643,
+                        "eos_token_id": 151645, "hidden_act": "silu"},
     "Qwen/Qwen1.5-7B": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                         "hidden_size": 4096, "intermediate_size": 11008,
                         "num_attention_heads": 32, "num_key_value_heads": 32,
