@@ -28,7 +28,7 @@ from vllm_kvguard import hostcall
 from vllm_kvguard import manager as plugins
 from vllm_kvguard.fixes.journal import NAMES as POOL_METHODS
 from vllm_kvguard.hostcall import HostCall, first_result, hooked
-from vllm_kvguard.registry import InstanceAttr, Patch, Private, Target, resolve
+from vllm_kvguard.registry import InstanceAttr, Patch, Private, Target
 
 NAME = "allocator"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager"
@@ -63,8 +63,13 @@ def _recheck() -> None:
 
 
 def _ours(manager) -> bool:
-    resolved = resolve(type(manager).__module__, type(manager).__qualname__ + ".allocate_slots")
-    return resolved is not None and getattr(resolved[2], "_self_wrapper", None) is allocate_slots
+    """Whether ``manager``'s class attribute is this patch's wrapper (not a subclass
+    override or another wrapper): read from the MRO, no module lookup per call."""
+    for klass in type(manager).__mro__:
+        if "allocate_slots" in vars(klass):
+            raw = vars(klass)["allocate_slots"]
+            return getattr(raw, "_self_wrapper", None) is allocate_slots
+    return False
 
 
 @hooked(NAME)
