@@ -9,7 +9,7 @@
 ``KVGUARD_AUDIT``              ``1``: verify the block pool's invariants after every step.
 ``KVGUARD_FAULTS``             test-only allocator fault injection, e.g. ``every=7`` or
                                ``rate=0.1,seed=3,after=20``. Loudly logged when on.
-``KVGUARD_LIVENESS_STEPS``     steps without progress before the liveness guard acts (default 64).
+``KVGUARD_LIVENESS_STEPS``     steps a waiting request may stall before it is reported (default 64; never failed).
 ``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape;
                                ``force``: also extend an explicit user capture list.
 =============================  ==============================================================

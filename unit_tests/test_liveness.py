@@ -1,7 +1,8 @@
-"""Liveness guard (fixes/liveness.py) on a REAL Scheduler.
+"""Liveness guard (fixes/liveness.py) and admission certificate on a REAL Scheduler.
 
-The pool has 16 usable blocks of 16 tokens; a 400-token request needs 25, can never be
-admitted and heads the waiting queue, so the small requests behind it never run either.
+The pool has 16 usable blocks of 16 tokens (256 tokens); a 400-token request needs 25,
+can never be admitted and heads the waiting queue, so the small requests behind it never
+run either. A request waiting on a KV connector fits and is never failed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply 
 
 from vllm_kvguard.testing.kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
-from vllm_kvguard import activation, report  # noqa: E402
+from vllm_kvguard import activation, log, report  # noqa: E402
 from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 STEPS = 8
@@ -70,24 +71,91 @@ def test_without_the_guard_nothing_ever_progresses():
     assert len(sched.waiting) == 3
 
 
-def test_guard_finishes_the_unschedulable_head_within_bounded_steps(kvguard_log):
+def test_guard_finishes_the_never_fitting_head_at_once(kvguard_log):
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
                          "KVGUARD_LIVENESS_STEPS": str(STEPS)})
     sched = stuck_scheduler()
-    finished, scheduled = run(sched, STEPS)
+    finished, scheduled = run(sched, 1)
     assert finished == {"big": "error"}
     assert not any(scheduled)
     assert "big" not in sched.requests                  # freed through finish_requests
-    line = next(line for line in kvguard_log.lines() if "cannot be scheduled" in line)
-    assert "request big" in line and "25 KV-cache blocks" in line
-    assert "16 usable blocks" in line and "KVGUARD_LIVENESS_STEPS" in line
-    assert report.snapshot()["liveness"] == {"finished_unschedulable": 1}
+    line = next(line for line in kvguard_log.lines() if "can never fit" in line)
+    assert "request big" in line and "at 400 tokens it holds at least 25 blocks" in line
+    assert "16 usable blocks" in line and "prompt + max_tokens <= 257 tokens" in line
+    assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
     if "big" in ERRORS:                                  # the client gets the message too
-        assert "25 KV-cache blocks" in ERRORS["big"].message
+        assert "at least 25 blocks" in ERRORS["big"].message
 
     finished, scheduled = run(sched, 12)                 # the others proceed
     assert finished == {"small0": "length", "small1": "length"}
     assert scheduled[0] > 0
+
+
+def _activate(on: bool) -> None:
+    """vLLM alone (``on=False``: nothing applied) or the allocator patch, from scratch."""
+    activation.deactivate()
+    log.reset_once()
+    report.reset_counters()
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator" if on else "none"})
+
+
+@pytest.mark.parametrize("max_tokens, fits", [(57, True), (58, False)])
+def test_the_certificate_is_the_exact_boundary(max_tokens, fits):
+    """200 prompt tokens on a 256-token pool: 57 output tokens need 256 tokens of KV (the
+    last sampled token is never computed) and complete; 58 need 257, never fit, and vLLM
+    alone preempts the request and can never readmit it."""
+    from vllm_kvguard.fixes import admission
+
+    results = {}
+    for on in (False, True):
+        _activate(on)
+        sched = make_scheduler(num_gpu_blocks=17)
+        cert = admission.of_scheduler(sched)
+        assert cert.largest == 256 and cert.usable == 16
+        sched.add_request(make_request("edge", prompt(3, 200), max_tokens=max_tokens))
+        finished, _ = run(sched, 3 * max_tokens)
+        results[on] = finished.get("edge")
+    if fits:
+        assert results == {False: "length", True: "length"}
+    else:
+        assert results == {False: None, True: "error"}     # vLLM alone: stuck forever
+        assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
+
+
+LOAD_STEPS = 20      # an asynchronous connector's load: the worker reports it after this
+
+
+def _deferred_run(on: bool, defers: int, is_async: bool, steps: int):
+    """A 32-token request; the connector defers its match ``defers`` times, then (async)
+    matches 16 tokens loaded asynchronously, reported done after LOAD_STEPS more steps."""
+    from vllm_kvguard.testing.connector_fixtures import make_connector_scheduler
+
+    _activate(on)
+    sched = make_connector_scheduler(defers=defers, is_async=is_async,
+                                     matched_tokens=16 if is_async else 0)
+    sched.add_request(make_request("0", prompt(4, 32), max_tokens=4))
+    first, finished = None, {}
+    for step in range(1, steps + 1):
+        done = ["0"] if is_async and step == defers + 1 + LOAD_STEPS else None
+        out, engine_outputs = scheduler_step(sched, finished_recving=done)
+        if first is None and out.total_num_scheduled_tokens:
+            first = step
+        finished.update(finish_reasons(engine_outputs))
+    return first, finished, report.snapshot()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("defers", [70, 200])
+def test_a_connector_deferral_is_waited_for_not_failed(kvguard_log, defers, is_async):
+    steps = defers + LOAD_STEPS + 12
+    plain = _deferred_run(False, defers, is_async, steps)
+    first, finished, counters = _deferred_run(True, defers, is_async, steps)
+    start = defers + 1 + (LOAD_STEPS + 1 if is_async else 0)
+    assert (first, finished) == plain[:2] == (start, {"0": "length"})
+    assert "liveness" not in counters
+    assert counters["waiting"] == {"kv_connector": 1}    # reported once, at 64 steps
+    line = next(line for line in kvguard_log.lines() if "has waited" in line)
+    assert "request 0 has waited 64 scheduler steps" in line and "kv_connector" in line
 
 
 def test_guard_leaves_requests_alone_while_others_run():

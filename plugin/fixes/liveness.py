@@ -1,22 +1,20 @@
-"""Liveness guard: a request that can never be scheduled is finished, not waited on forever.
+"""Liveness guard: a request that can never fit is finished at once; one that waits is not.
 
-vLLM admits a waiting request only when its blocks fit; one that never fits (its need
-above what the pool can ever offer, or an estimate that never passes) blocks the head of
-the waiting queue, and with nothing running the engine spins on empty steps forever
-(vllm#35541, #39734; TensorRT-LLM's startup hang). After every ``Scheduler.schedule()``
-this guard counts consecutive steps in which
+vLLM admits a waiting request only when its blocks fit, so a request that can never fit
+heads the waiting queue forever and the requests behind it starve (vllm#35541, #39734,
+#53130). After every ``Scheduler.schedule()`` this guard looks at the head of the waiting
+queue and acts on proof only: when the admission certificate
+(:mod:`vllm_kvguard.fixes.admission`) shows that the head's sequence can never be held
+by this pool, it finishes that request with ``FINISHED_ERROR`` through the scheduler's own
+error path (the client gets ``finish_reason="error"``, and on vLLM 0.33+ the message) and
+logs its numbers. That covers a request too long from the start and one admitted whose
+sequence outgrew the pool (vLLM preempts it and can never readmit it).
 
-* nothing was scheduled and nothing is running,
-* the pool is as free as it will get: no deferred frees, no request holding blocks while
-  it waits (async KV loads), the free-block count unchanged,
-* the same request heads the waiting queue (the first one not blocked on a grammar, a
-  remote KV transfer or a streaming input),
-
-and after ``KVGUARD_LIVENESS_STEPS`` (default 64) such steps finishes that request with
-``FINISHED_ERROR`` through the scheduler's own error path (the client gets a finished
-output with ``finish_reason="error"``) and logs why: its block need and the pool size.
-The requests behind it proceed. Anything else (a step that schedules, a running request,
-a change of head or free count) resets the count.
+Everything else waits, however long: a KV connector deferring its match, remote KV
+transfers, grammar compilation, streaming input, a paused scheduler, preemption, or
+vLLM's own admission rule. A head that has not moved for ``KVGUARD_LIVENESS_STEPS``
+(default 64) steps with nothing scheduled is reported, not failed: one warning per cause
+with the request id and the steps waited, and the ``waiting`` counter per cause.
 """
 from __future__ import annotations
 
@@ -24,82 +22,57 @@ import logging
 import weakref
 
 from vllm_kvguard import report
+from vllm_kvguard.fixes import admission
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
 
 class _Watch:
-    __slots__ = ("head", "free", "steps")
+    __slots__ = ("head", "tokens", "steps", "reported")
 
     def __init__(self):
         self.head = None
-        self.free = None
+        self.tokens = -1
         self.steps = 0
+        self.reported = False
 
 
-# The scheduler's _Watch while it is stalled (nothing on the Scheduler itself: reading its
-# __dict__ would make CPython 3.11 materialise it and slow every attribute vLLM reads).
+# Per scheduler, while its waiting queue is not empty (nothing on the Scheduler itself:
+# reading its __dict__ would make CPython 3.11 materialise it and slow every attribute).
 _watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def block_need(manager, request) -> int:
-    """Blocks ``request`` needs to hold its whole sequence, summed over KV-cache groups
-    (an estimate for the message: Mamba holds 1 + speculative (+1 in align) state blocks,
-    attention groups one per ``block_size`` tokens, capped where vLLM caps admission)."""
-    tokens = min(request.num_tokens, getattr(manager, "max_model_len", request.num_tokens))
-    need = 0
-    for m in manager.coordinator.single_type_managers:
-        if type(m).__name__ == "MambaManager":
-            nsb = int(getattr(m, "num_speculative_blocks", 0) or 0)
-            need += 1 + nsb + int(getattr(m, "mamba_cache_mode", "none") == "align")
-            continue
-        n = _cdiv(tokens, m.block_size)
-        cap = getattr(m, "max_admission_blocks_per_request", None)
-        need += min(n, cap) if cap else n
-    return need
-
-
-def _head(scheduler):
-    from vllm.v1.request import RequestStatus
-
-    ready = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+def _first(scheduler):
     for item in scheduler.waiting:
-        request = item if hasattr(item, "request_id") else item[-1]
-        if request.status in ready:
-            return request
+        return item if hasattr(item, "request_id") else item[-1]
     return None
 
 
-def _stuck(scheduler, output) -> bool:
-    if getattr(output, "total_num_scheduled_tokens", 1) != 0 or scheduler.running:
-        return False
+def waiting_cause(scheduler, request) -> str:
+    """Why ``request`` (waiting, able to fit) is not scheduled yet, as a short cause."""
+    status = getattr(request.status, "name", str(request.status))
+    by_status = {"WAITING_FOR_REMOTE_KVS": "remote_kv",
+                 "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "grammar",
+                 "WAITING_FOR_FSM": "grammar",
+                 "WAITING_FOR_STREAMING_REQ": "streaming_input"}
+    if status in by_status:
+        return by_status[status]
+    pause = getattr(scheduler, "_pause_state", None)
+    if pause is not None and getattr(pause, "name", "UNPAUSED") != "UNPAUSED":
+        return "paused"
+    if getattr(scheduler, "connector", None) is not None:
+        return "kv_connector"
     if getattr(scheduler, "kv_holding_waiting", None) or getattr(
             scheduler, "deferred_frees", None):
-        return False
-    pause = getattr(scheduler, "_pause_state", None)
-    return pause is None or getattr(pause, "name", "UNPAUSED") == "UNPAUSED"
+        return "kv_transfer"
+    if status == "PREEMPTED":
+        return "preempted"
+    return "admission"
 
 
-def _finish(scheduler, request, steps: int) -> None:
+def _finish(scheduler, request, message: str) -> None:
     from vllm.v1.request import RequestStatus
 
-    manager = scheduler.kv_cache_manager
-    pool = manager.block_pool
-    usable = pool.num_gpu_blocks - 1
-    need = block_need(manager, request)
-    waiting = max(len(scheduler.waiting) - 1, 0)
-    message = (
-        f"vllm-kvguard: request {request.request_id} cannot be scheduled: it needs about "
-        f"{need} KV-cache blocks for its {request.num_tokens} tokens, the pool has {usable} "
-        f"usable blocks ({pool.get_num_free_blocks()} free, nothing running), and no "
-        f"progress was made for {steps} scheduler steps. Finishing it with an error so the "
-        f"{waiting} request(s) behind it can run. Give the KV cache more room "
-        f"(gpu_memory_utilization, kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE), or "
-        f"lower max_model_len / the prompt length; KVGUARD_LIVENESS_STEPS sets the patience.")
     # The scheduler's own per-request error path, drained by update_from_output:
     # finish_requests(FINISHED_ERROR) and an EngineCoreOutput with finish_reason=error
     # (on 0.33+ carrying this message to the client as a GenerationError).
@@ -115,7 +88,7 @@ def _finish(scheduler, request, steps: int) -> None:
         status = getattr(RequestStatus, "FINISHED_ERROR", RequestStatus.FINISHED_ABORTED)
         scheduler.finish_requests(request.request_id, status)
         how = f"finished as {status.name} (this vLLM has no error path to the client)"
-    report.count("liveness", "finished_unschedulable")
+    report.count("liveness", "finished_never_fits")
     logger.error("%s [%s]", message, how)
     once(logging.INFO, ("liveness-first",),
          "vllm-kvguard: liveness guard acted; counter 'liveness' in the report")
@@ -130,7 +103,7 @@ def _request_error(message: str):
 
 
 class Liveness:
-    """The guard as a hookimpl object; ``steps``: stalled steps before it acts."""
+    """The guard as a hookimpl object; ``steps``: stalled steps before a wait is reported."""
 
     def __init__(self, steps: int = 64):
         self.steps = steps
@@ -138,23 +111,40 @@ class Liveness:
     @hookimpl
     def kvguard_after_schedule(self, scheduler, output):
         try:
-            head = _head(scheduler) if _stuck(scheduler, output) else None
-            if head is None:            # progress (the every-step case): nothing to watch
+            if not scheduler.waiting:           # the every-step case: nothing to watch
                 if _watches:
                     _watches.pop(scheduler, None)
                 return
-            watch = _watches.get(scheduler)
-            if watch is None:
-                watch = _watches[scheduler] = _Watch()
-            free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-            if head is not watch.head or free != watch.free:
-                watch.head, watch.free, watch.steps = head, free, 1
-            else:
-                watch.steps += 1
-            if watch.steps >= self.steps:
-                _finish(scheduler, head, watch.steps)
-                watch.head, watch.free, watch.steps = None, None, 0
+            self._watch(scheduler, output)
         except Exception as exc:        # fail open: the guard never takes the engine down
             once(logging.ERROR, ("liveness-internal", type(exc).__name__),
                  "vllm-kvguard: internal error in the liveness guard (%s: %s); it is skipped",
                  type(exc).__name__, exc)
+
+    def _watch(self, scheduler, output) -> None:
+        watch = _watches.get(scheduler)
+        if watch is None:
+            watch = _watches[scheduler] = _Watch()
+        head = _first(scheduler)
+        if head is None:
+            return
+        if head is not watch.head or head.num_tokens != watch.tokens:
+            name = getattr(head.status, "name", "")
+            cert = admission.of_scheduler(scheduler)
+            if name in ("WAITING", "PREEMPTED") and not cert.fits(head.num_tokens):
+                _finish(scheduler, head, cert.refusal(head.request_id, head.num_tokens))
+                watch.head, watch.tokens, watch.steps = None, -1, 0
+                return
+            watch.head, watch.tokens, watch.steps, watch.reported = \
+                head, head.num_tokens, 0, False
+        stalled = getattr(output, "total_num_scheduled_tokens", 1) == 0 and not scheduler.running
+        watch.steps = watch.steps + 1 if stalled else 0
+        if watch.steps >= self.steps and not watch.reported:
+            watch.reported = True
+            cause = waiting_cause(scheduler, head)
+            report.count("waiting", cause)
+            once(logging.WARNING, ("liveness-waiting", cause),
+                 "vllm-kvguard: request %s has waited %d scheduler steps with nothing "
+                 "scheduled (cause: %s); it can fit the KV cache, so it is left waiting "
+                 "(counter 'waiting' in the report; further waits for this cause are "
+                 "counted, not logged)", head.request_id, watch.steps, cause)

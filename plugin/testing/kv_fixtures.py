@@ -289,9 +289,10 @@ def make_scheduler(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE, **confi
 _token = itertools.count(7)
 
 
-def scheduler_step(scheduler, sample_token: int | None = None):
+def scheduler_step(scheduler, sample_token: int | None = None, finished_recving=None):
     """One ``schedule()`` + ``update_from_output`` with every scheduled request sampling
-    one token (no model). Returns (scheduler_output, engine_core_outputs)."""
+    one token (no model); ``finished_recving``: request ids whose asynchronous KV load the
+    (stand-in) worker reports done. Returns (scheduler_output, engine_core_outputs)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     out = scheduler.schedule()
@@ -305,4 +306,8 @@ def scheduler_step(scheduler, sample_token: int | None = None):
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
         pooler_output=[])))
+    if finished_recving:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        mro.kv_connector_output = KVConnectorOutput(finished_recving=set(finished_recving))
     return out, scheduler.update_from_output(out, mro)

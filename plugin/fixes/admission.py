@@ -1,0 +1,128 @@
+"""Admission certificate: the largest request one engine's KV cache can ever hold.
+
+A request has to hold, at the step that computes its last known token, the blocks of every
+KV-cache group for that many tokens (plus the scheduler's lookahead) at once, on one shared
+pool of ``num_blocks - 1`` usable blocks (block 0 is the null block). The smallest such
+holding, per group, is the reserved-block model's figure for that step with everything
+before it already computed (:func:`vllm_kvguard.fixes.estimate.reserved_blocks`: sliding
+windows and chunked-local attention drop what they no longer need, Mamba holds its state
+and speculative blocks). When the sum exceeds the pool, no schedule and no amount of
+waiting makes the request fit: that is the proof the liveness guard acts on, and the only
+one. Draft tokens are left out of the need (a step may propose none), the lookahead is not
+(EAGLE-style drafting always reserves it).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """``groups``: (group index, spec); ``usable``: blocks one request can ever hold."""
+
+    groups: tuple
+    usable: int
+    max_model_len: int
+    lookahead: int = 0
+    draft_tokens: int = 0
+    dcp: int = 1
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def group_needs(self, num_tokens: int) -> list[tuple[int, int]]:
+        """(group index, blocks) a request holds at the step that computes its first
+        ``num_tokens`` tokens, at the least (every earlier token already computed)."""
+        n = max(1, min(int(num_tokens), self.max_model_len))
+        out = []
+        for i, spec in self.groups:
+            r = reserved_blocks(spec, n, num_lookahead_tokens=self.lookahead,
+                                max_model_len=self.max_model_len, dcp=self.dcp,
+                                num_computed_tokens=n - 1)
+            out.append((i, 0 if r is None else r.physical))
+        return out
+
+    def need(self, num_tokens: int) -> int:
+        n = max(1, min(int(num_tokens), self.max_model_len))
+        got = self._cache.get(n)
+        if got is None:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            got = self._cache[n] = sum(b for _, b in self.group_needs(n))
+        return got
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a request whose sequence reaches ``num_tokens`` computed tokens can ever
+        be held (False is a proof; True is only "not excluded")."""
+        return self.need(num_tokens) <= self.usable
+
+    @property
+    def largest(self) -> int:
+        """The most computed tokens a request can reach (0: not even one token fits);
+        ``max_model_len`` when the whole length fits. Binary search: every group's least
+        holding grows with the length (windowed groups stay at their window)."""
+        if self.fits(self.max_model_len):
+            return self.max_model_len
+        lo, hi = 0, self.max_model_len          # fits(lo) (or lo == 0), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def bounding_group(self, num_tokens: int) -> tuple[int, int]:
+        """The group holding the most blocks at ``num_tokens``: (index, blocks)."""
+        return max(self.group_needs(num_tokens), key=lambda g: g[1])
+
+    def statement(self) -> str:
+        top = self.largest
+        # The last token is sampled, never computed: prompt + max_tokens may be one more.
+        total = top + 1 if top < self.max_model_len else self.max_model_len
+        return (f"largest admissible request: prompt + max_tokens <= {total} tokens at "
+                f"{self.draft_tokens} draft tokens (lookahead {self.lookahead}), "
+                f"max_model_len={self.max_model_len}, {self.usable} usable blocks")
+
+    def refusal(self, request_id: str, num_tokens: int) -> str:
+        """The message for a request that can never fit, with its numbers."""
+        need = self.need(num_tokens)
+        group, blocks = self.bounding_group(num_tokens)
+        parts = ", ".join(f"group {i}: {b}" for i, b in self.group_needs(num_tokens))
+        return (f"vllm-kvguard: request {request_id} can never fit the KV cache: at "
+                f"{num_tokens} tokens it holds at least {need} blocks ({parts}; group "
+                f"{group} bounds it with {blocks}) and the pool has {self.usable} usable "
+                f"blocks in all; {self.statement()}. Lower the prompt or max_tokens, or "
+                f"give the KV cache more room (gpu_memory_utilization, "
+                f"kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE).")
+
+
+def from_configs(vllm_config, kv_cache_config) -> Certificate:
+    """The certificate of an engine from its ``VllmConfig`` and ``KVCacheConfig``."""
+    groups = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if getattr(group, "host_resident", False):
+            continue
+        spec = group.kv_cache_spec
+        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+            spec = spec.first_spec
+        groups.append((i, spec))
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    return Certificate(groups=tuple(groups), usable=int(kv_cache_config.num_blocks) - 1,
+                       max_model_len=int(vllm_config.model_config.max_model_len),
+                       lookahead=lookahead_tokens(vllm_config), draft_tokens=k, dcp=dcp)
+
+
+_by_scheduler: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def of_scheduler(scheduler) -> Certificate:
+    """The certificate of ``scheduler``'s KV cache (computed once per scheduler)."""
+    cert = _by_scheduler.get(scheduler)
+    if cert is None:
+        cert = _by_scheduler[scheduler] = from_configs(scheduler.vllm_config,
+                                                       scheduler.kv_cache_config)
+    return cert
