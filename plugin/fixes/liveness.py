@@ -43,8 +43,11 @@ _watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _first(scheduler):
-    for item in scheduler.waiting:
-        return item if hasattr(item, "request_id") else item[-1]
+    """The head of the waiting queue, else of ``skipped_waiting`` (vLLM 0.27-0.29 park
+    deferred and blocked requests there)."""
+    for queue in (scheduler.waiting, getattr(scheduler, "skipped_waiting", ())):
+        for item in queue:
+            return item if hasattr(item, "request_id") else item[-1]
     return None
 
 
@@ -111,7 +114,8 @@ class Liveness:
     @hookimpl
     def kvguard_after_schedule(self, scheduler, output):
         try:
-            if not scheduler.waiting:           # the every-step case: nothing to watch
+            if not (scheduler.waiting or getattr(scheduler, "skipped_waiting", None)):
+                # the every-step case: nothing to watch
                 if _watches:
                     _watches.pop(scheduler, None)
                 return
