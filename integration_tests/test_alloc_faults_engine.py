@@ -22,7 +22,8 @@ FAULTS = "every=5"
 @pytest.mark.engine
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", [pytest.param("llama", marks=pytest.mark.smoke),
-                                  "nemotron_h", "nemotron_h-ngram3"])
+                                  pytest.param("nemotron_h", marks=pytest.mark.slow),
+                                  "nemotron_h-ngram3"])
 def test_faults_kill_vllm_and_the_fix_completes_every_request_identically(case):
     spec = {"num_requests": 8, "max_tokens": 24, **CASES[case]}
     clean = run_in_subprocess(spec, {}, timeout=240)

@@ -115,7 +115,6 @@ def engine_runs(tmp_path_factory) -> tuple[dict, dict]:
 
 
 @pytest.mark.engine
-@pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_report_is_logged_once_with_spec_aware_numbers(engine_runs):
     results, logs = engine_runs
@@ -128,7 +127,6 @@ def test_report_is_logged_once_with_spec_aware_numbers(engine_runs):
 
 
 @pytest.mark.engine
-@pytest.mark.smoke
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", KS)
 def test_report_matches_the_scheduler_at_full_load(engine_runs, k):

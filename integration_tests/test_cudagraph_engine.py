@@ -26,7 +26,6 @@ SPEC = {"model": "llama", "num_requests": 6, "max_tokens": 24,
 
 
 @pytest.mark.engine
-@pytest.mark.smoke
 @pytest.mark.timeout(420)
 def test_cpu_engine_counts_nothing_and_warns_nothing():
     env = {"KVGUARD": "1", "KVGUARD_PATCHES": "cudagraph", "KVGUARD_CUDAGRAPH_COMPLETE": "1"}

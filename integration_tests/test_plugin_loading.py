@@ -82,7 +82,6 @@ def test_nothing_is_wrapped_in_any_process_with_flag_unset(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.smoke
 @pytest.mark.timeout(240)
 def test_bad_flags_are_named_and_vllm_still_serves():
     res = run_in_subprocess({"num_requests": 2, "max_tokens": 4},

@@ -105,6 +105,7 @@ def assert_audit_clean(run):
     assert "audit_violation" not in run.counters, run.counters
 
 
+@pytest.mark.slow          # every7 below is plugin on (with faults) vs off, token-identical
 @pytest.mark.timeout(TIMEOUT_S)
 @uses("llama-off", "llama-on")
 def test_no_faults_every_request_succeeds_identically_to_plugin_off(pool):
@@ -139,8 +140,10 @@ def test_faults_with_fixes_off_kill_engine_core_and_the_client_sees_it(pool):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("name", ["llama-faults-every7", "llama-faults-rate"])
-@uses("llama-off", "llama-faults-every7", "llama-faults-rate")
+@pytest.mark.parametrize("name", [
+    pytest.param("llama-faults-every7", marks=uses("llama-off", "llama-faults-every7")),
+    pytest.param("llama-faults-rate", marks=[pytest.mark.slow,
+                                             uses("llama-off", "llama-faults-rate")])])
 def test_faults_with_plugin_on_every_request_succeeds_identically(pool, name):
     off, run = served(pool, "llama-off"), served(pool, name)
     assert_all_ok(run)

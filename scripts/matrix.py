@@ -135,7 +135,7 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
         rec["integration"] = run_suite(
             f"{pin.name} integration ({suite})",
             pytest_cmd(py, ["integration_tests"], d / "integration.xml",
-                       integration_marker(suite, args.skip_slow), args.pytest), env)
+                       integration_marker(suite, not args.full), args.pytest), env)
         rec["integration"]["suite"] = suite
     t0 = time.monotonic()
     probe = subprocess.run([py, "-m", "vllm_kvguard.tools.truth_table", "probe",
@@ -145,14 +145,14 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
     if probe.returncode != 0:
         print(f"matrix: probe on {pin.name} failed:\n{probe.stderr[-2000:]}", file=sys.stderr)
     if wants_conformance(pin, args.conformance):
-        rec["conformance"] = run_conformance(pin, py, d / "conformance", env)
+        rec["conformance"] = run_conformance(pin, py, d / "conformance", env, args.full)
     rec["ok"] = all(rec[k]["ok"] for k in STAGES if k in rec)
     (d / "timings.json").write_text(json.dumps(rec, indent=1))
     return rec
 
 
 def integration_marker(suite: str, skip_slow: bool) -> str | None:
-    """The ``-m`` expression of a pin's integration suite (``--skip-slow``: no ``slow``)."""
+    """The ``-m`` expression of a pin's integration suite (``skip_slow``: no ``slow``)."""
     marker = "smoke" if suite == "smoke" else None
     if skip_slow:
         marker = f"{marker} and not slow" if marker else "not slow"
@@ -164,10 +164,13 @@ def wants_conformance(pin: pinned.Pin, choice: str) -> bool:
     return choice == "all" or (choice == "default" and pin.default)
 
 
-def run_conformance(pin: pinned.Pin, python: str, out: Path, env: dict) -> dict:
-    """The conformance stage (``scripts/conformance.py``, stdlib: runs under this Python)."""
+def run_conformance(pin: pinned.Pin, python: str, out: Path, env: dict,
+                    full: bool = False) -> dict:
+    """The conformance stage (``scripts/conformance.py``, stdlib: runs under this Python);
+    passes plain and audit, or (``full``) plain, patched and audit."""
     cmd = [sys.executable, str(REPO / "scripts" / "conformance.py"), "--pin", pin.name,
-           "--python", python, "--results", str(out)]
+           "--python", python, "--results", str(out),
+           "--passes", "plain,patched,audit" if full else "plain,audit"]
     print(f"\n---- {pin.name} conformance: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
@@ -243,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-ahead", action="store_true",
                     help="build the next pins' venvs in the background while tests run "
                          "(a fresh CI machine: saves most of the install time)")
-    ap.add_argument("--skip-slow", action="store_true",
-                    help="leave out the integration tests marked slow (the longest real-server "
-                         "configurations); CI uses it")
+    ap.add_argument("--full", action="store_true",
+                    help="also the integration tests marked slow (the longest real-server and "
+                         "engine configurations) and every conformance pass (plain, patched, "
+                         "audit); without it: no slow tests, conformance passes plain and "
+                         "audit (the audit pass runs the patched plugin too)")
     ap.add_argument("--conformance", choices=("default", "all", "none"), default="default",
                     help="run vLLM's own tests/v1/core plain and with the plugin "
                          "(scripts/conformance.py) on the default pin (default), on every "
