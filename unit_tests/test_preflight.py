@@ -80,3 +80,24 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     assert row["fix_setting"] == {"max_cudagraph_capture_size": 1024}
     assert r["verdict"] == "ACTION NEEDED"
     json.dumps(r)                                # --json writes it
+
+
+@pytest.mark.skipif(not ON_032, reason=f"kvguard plan is checked on vLLM 0.32 only (this is "
+                    f"{_VERSION})")
+def test_plan_states_the_largest_admissible_request(tmp_path):
+    """The certificate is stated; a KV cache too small for one max_model_len request is
+    named as vLLM itself would refuse it, with the flags to change (no traceback)."""
+    pytest.importorskip("vllm")
+    from vllm_kvguard.tools.tiny_models import write_model
+
+    model = write_model("llama", tmp_path / "llama")
+    roomy = preflight.plan(model, max_num_seqs=4, max_model_len=2048, num_gpu_blocks=4096)
+    assert roomy["largest_admissible_tokens"] == 2048
+    assert any("largest admissible request: prompt + max_tokens <= 2048 tokens" in line
+               for line in roomy["capacity_lines"])
+    assert not any("never fit" in p for p in roomy["problems"])
+    bsz = roomy["groups"][0]["block_size"]
+    with pytest.raises(preflight.PlanError) as err:
+        preflight.plan(model, max_num_seqs=4, max_model_len=2048, num_gpu_blocks=2048 // bsz)
+    assert "vLLM would refuse to start" in str(err.value)
+    assert "--max-model-len" in str(err.value) and "--num-gpu-blocks" in str(err.value)

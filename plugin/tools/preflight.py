@@ -8,6 +8,8 @@
 * per KV-cache group: the spec-aware blocks one request holds at ``max_model_len`` and the
   true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.capacity` on a
   ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``);
+* the largest admissible request (:mod:`vllm_kvguard.fixes.admission`), and a problem
+  when a ``max_model_len`` request can never fit;
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
   covers it (:mod:`vllm_kvguard.fixes.coverage`, sized as on a CUDA GPU by
   :func:`vllm_kvguard.tools.plan.plan_config`);
@@ -118,7 +120,13 @@ def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | 
         vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
         page = max(s.page_size_bytes for s in specs.values())
         kv_bytes = (num_gpu_blocks + 1) * page * len(specs)   # enough; the override decides
-    return get_kv_cache_configs(vllm_config, [specs], [int(kv_bytes)])[0]
+    try:
+        return get_kv_cache_configs(vllm_config, [specs], [int(kv_bytes)])[0]
+    except ValueError as exc:            # vLLM's own startup check: max_model_len won't fit
+        first = str(exc).strip().split(". Try")[0]
+        raise PlanError(f"vLLM would refuse to start with this KV cache: {first}. Lower "
+                        f"--max-model-len, or raise --num-gpu-blocks / --gpu-memory-gib"
+                        ) from None
 
 
 # ------------------------------------------------------------------------------- plan
@@ -128,7 +136,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          weights_gib: float = 0.0, runner: str = "v1",
          cudagraph_mode: str = "FULL_AND_PIECEWISE") -> dict:
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes import admission, capacity
     from vllm_kvguard.fixes.coverage import format_table
     from vllm_kvguard.fixes.planner import audit
     from vllm_kvguard.tools.plan import plan_config, plan_owner
@@ -160,7 +168,16 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     cap = capacity.compute(vc, kvc)
     cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
     gaps = [r for r in cov.rows if r.first_gap is not None and not r.family.no_draft]
+    cert = admission.from_configs(vc, kvc)
+    largest = cert.largest
     problems = [w.rstrip(".") for w in cap.warnings]
+    if largest + 1 < cert.max_model_len:      # the last token is sampled, not computed
+        group, blocks = cert.bounding_group(cert.max_model_len)
+        problems.append(f"a max_model_len request can never fit: at {cert.max_model_len} "
+                        f"tokens it holds at least {cert.need(cert.max_model_len)} blocks "
+                        f"(group {group}: {blocks}) of {cert.usable} usable; requests "
+                        f"reaching more than {largest} tokens are failed. Lower "
+                        f"--max-model-len to {largest + 1} or give the KV cache more memory")
     for r in gaps:
         problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
                         f"{r.gap_mode}; fix: {r.fix}")
@@ -179,7 +196,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         "vllm_concurrency": None if cap.vllm_concurrency is None
         else round(cap.vllm_concurrency, 4),
         "decodes_that_fit": cap.decodes_that_fit if cap.has_mamba else None,
-        "capacity_lines": capacity.format_report(cap),
+        "largest_admissible_tokens": largest,
+        "capacity_lines": capacity.format_report(cap) + ["  " + cert.statement()],
         "coverage": [dict(drafts=r.family.q - 1, zero_draft=r.family.no_draft,
                           requests=[r.family.lo, r.family.hi], covered=r.covered,
                           first_uncovered=r.first_gap, mode_there=r.gap_mode or None,
