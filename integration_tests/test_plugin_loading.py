@@ -61,7 +61,7 @@ def test_every_process_reports_and_wraps_with_flag_on(tmp_path):
     workers = [p for p in lines if "Worker" in p]
     assert "MainProcess" in lines and engine_core and workers, lines
     for line in lines.values():
-        assert "applied: allocator, warmup, cudagraph; skipped: none" in line, line
+        assert "applied: allocator, warmup, cudagraph, admission; skipped: none" in line, line
     # Each process wraps the targets it loads: the scheduler's in EngineCore, the model
     # runner's in the worker; the front end loads neither.
     assert ALLOCATOR_TARGETS <= _wrapped_in_log(log, "EngineCore")
@@ -91,7 +91,7 @@ def test_bad_flags_are_named_and_vllm_still_serves():
     assert res["kvguard"]["results"] is None           # stayed off
     err = "\n".join(res["kvguard_log"])
     assert "KVGUARD='maybe' is not valid; use one of 1, on, 0, off" in err
-    assert "unknown patch name(s) bogus; valid: allocator, warmup, cudagraph" in err
+    assert "unknown patch name(s) bogus; valid: allocator, warmup, cudagraph, admission" in err
     assert "KVGUARD_FAULTS: 'often' is not key=value" in err
 
 

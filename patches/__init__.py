@@ -9,6 +9,8 @@ patch                   module
                         enabled by ``KVGUARD_FAULTS``)
 ``warmup``              :mod:`vllm_kvguard.patches.warmup`
 ``cudagraph``           :mod:`vllm_kvguard.patches.cudagraph`
+``admission``           :mod:`vllm_kvguard.patches.admission` (refusal at the door; the
+                        certificate comes from ``warmup``'s startup report)
 ======================  =====================================================================
 
 Each module defines ``PATCH`` (a :class:`vllm_kvguard.registry.Patch`) declaring its targets,
@@ -20,7 +22,7 @@ import importlib
 
 from vllm_kvguard.flags import Flags
 
-_MODULES = ("allocator", "faults", "warmup", "cudagraph")
+_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission")
 
 
 def _load():

@@ -28,6 +28,9 @@ Targets (each declares its own range below; all optional except the scheduler's)
         line ignore speculative blocks and the null block).
         Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
         count speculative blocks, the null block and attention groups.
+        The same hook -> :mod:`vllm_kvguard.fixes.admission`: the largest admissible
+        request, stated and published for the door (:mod:`vllm_kvguard.patches.admission`)
+        and the liveness guard.
 Why
     Estimates that forget speculative decoding pass the check and then overflow the
     pool (TensorRT-LLM "count spec extra tokens in warmup block estimates"; vllm#51438).
@@ -103,19 +106,23 @@ def scheduler_init(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes import capacity, estimate, warmup_guard
+    from vllm_kvguard.fixes import admission, capacity, estimate, warmup_guard
     from vllm_kvguard.manager import register
 
     register(estimate, "kvguard.estimate")
     register(warmup_guard, "kvguard.warmup_guard")
     register(capacity, "kvguard.capacity")
+    register(admission, "kvguard.admission")
 
 
 def _teardown():
+    from vllm_kvguard.fixes import admission
     from vllm_kvguard.manager import unregister
 
-    for name in ("kvguard.estimate", "kvguard.warmup_guard", "kvguard.capacity"):
+    for name in ("kvguard.estimate", "kvguard.warmup_guard", "kvguard.capacity",
+                 "kvguard.admission"):
         unregister(name)
+    admission.clear_published()
 
 
 PATCH = Patch(

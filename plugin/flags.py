@@ -10,6 +10,8 @@
 ``KVGUARD_FAULTS``             test-only allocator fault injection, e.g. ``every=7`` or
                                ``rate=0.1,seed=3,after=20``. Loudly logged when on.
 ``KVGUARD_LIVENESS_STEPS``     steps a waiting request may stall before it is reported (default 64; never failed).
+``KVGUARD_ADMISSION``          ``0``/``off``: leave out the ``admission`` patch (requests that can
+                               never fit are not refused at the door: vLLM's behaviour).
 ``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape;
                                ``force``: also extend an explicit user capture list.
 =============================  ==============================================================
@@ -27,7 +29,7 @@ ON = ("1", "on", "true", "yes")
 OFF = ("", "0", "off", "false", "no")
 
 #: Names a user may put in KVGUARD_PATCHES. ``faults`` is enabled by KVGUARD_FAULTS instead.
-PATCH_NAMES = ("allocator", "warmup", "cudagraph")
+PATCH_NAMES = ("allocator", "warmup", "cudagraph", "admission")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
                     f"KVGUARD_PATCHES={raw!r}: unknown patch name(s) {', '.join(bad) or '(empty)'}; "
                     f"valid: {', '.join(PATCH_NAMES)}, or none; applying only the valid ones: "
                     f"{', '.join(patches) or 'none'}")
+
+    raw = env.get("KVGUARD_ADMISSION", "").strip().lower()
+    if raw and raw in OFF:
+        patches = tuple(n for n in patches if n != "admission")
+    elif raw and raw not in ON:
+        errors.append(f"KVGUARD_ADMISSION={raw!r} is not valid; use one of 1, on, 0, off "
+                      f"(unset means on); leaving admission as KVGUARD_PATCHES chose")
 
     faults = None
     raw = env.get("KVGUARD_FAULTS", "").strip()

@@ -45,6 +45,14 @@ def kvguard_after_schedule(scheduler, output):
     implementation must not raise (ours log once and skip)."""
 
 
+@hookspec
+def kvguard_admit(request):
+    """The front end's input processing built ``request`` (an ``EngineCoreRequest``) and
+    is about to send it to EngineCore: raise a ``ValueError`` to refuse it (vLLM's own
+    input-validation path: ``LLM.generate`` raises, ``vllm serve`` answers HTTP 400).
+    Ours: the admission certificate (:mod:`vllm_kvguard.fixes.admission`)."""
+
+
 # --------------------------------------------------------------------------- estimation
 @hookspec(firstresult=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,

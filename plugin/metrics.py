@@ -106,6 +106,11 @@ def setup(registry=None) -> None:
     report.on_change(changed)
 
 
+def directory() -> str | None:
+    """The snapshot directory of this process tree (None before :func:`setup`)."""
+    return _state["dir"] or os.environ.get(ENV_DIR) or None
+
+
 def teardown() -> None:
     """Unregister the collector, stop the timer, remove a directory this process made."""
     from vllm_kvguard import report

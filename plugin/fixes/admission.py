@@ -10,13 +10,28 @@ and speculative blocks). When the sum exceeds the pool, no schedule and no amoun
 waiting makes the request fit: that is the proof the liveness guard acts on, and the only
 one. Draft tokens are left out of the need (a step may propose none), the lookahead is not
 (EAGLE-style drafting always reserves it).
+
+The door: EngineCore publishes its certificate when its scheduler is built (in memory, and
+pickled beside the metrics snapshots for a front end in another process: the directory is
+the plugin's own, made by ``mkdtemp``); the front end's input processing refuses a request
+whose prompt plus ``max_tokens`` can never fit with a ``ValueError`` naming its numbers
+(``LLM.generate`` raises it, ``vllm serve`` answers HTTP 400), so it never reaches
+EngineCore. No certificate published yet (or ``KVGUARD_ADMISSION=off``): vLLM's behaviour.
 """
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 
+from vllm_kvguard import metrics, report
 from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks
+from vllm_kvguard.hookspecs import hookimpl
+from vllm_kvguard.hostcall import KvguardOutcome
+from vllm_kvguard.log import once
 
 
 @dataclass(frozen=True)
@@ -126,3 +141,90 @@ def of_scheduler(scheduler) -> Certificate:
         cert = _by_scheduler[scheduler] = from_configs(scheduler.vllm_config,
                                                        scheduler.kv_cache_config)
     return cert
+
+
+# ------------------------------------------------------------------------------ the door
+SUFFIX = ".admission"                  # beside the metrics snapshots (<pid>.json)
+_published: list = []                  # this process's own engine (in-process LLM)
+
+
+class Refused(KvguardOutcome, ValueError):
+    """A request that can never fit, refused before it reaches EngineCore."""
+
+
+def publish(cert: Certificate) -> None:
+    """Make ``cert`` the door's certificate, here and for a front end in another process."""
+    _published[:] = [cert]
+    directory = metrics.directory()
+    if not directory:
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(cert, f)
+        os.replace(tmp, os.path.join(directory, f"{os.getpid()}{SUFFIX}"))
+    except (OSError, pickle.PickleError, TypeError, AttributeError) as exc:
+        once(logging.INFO, ("admission-publish", type(exc).__name__),
+             "vllm-kvguard: the admission certificate could not be handed to the front end "
+             "(%s: %s); requests are not checked at the door", type(exc).__name__, exc)
+
+
+def published() -> Certificate | None:
+    """This process's certificate, else the tightest one an EngineCore published."""
+    if _published:
+        return _published[0]
+    directory = metrics.directory()
+    if not directory:
+        return None
+    best = None
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                cert = pickle.load(f)
+        except Exception:               # a half-written or foreign file: not ours to trust
+            continue
+        if isinstance(cert, Certificate) and (best is None or cert.largest < best.largest):
+            best = cert
+    return best
+
+
+def clear_published() -> None:
+    _published.clear()
+
+
+def door_check(request_id: str, prompt_len: int, max_tokens: int | None) -> None:
+    """Raise :class:`Refused` when ``prompt_len + max_tokens`` can never fit."""
+    cert = published()
+    if cert is None:
+        return
+    total = min(prompt_len + (max_tokens or 1), cert.max_model_len)
+    computed = max(total - 1, prompt_len)       # the last token is sampled, not computed
+    if cert.fits(computed):
+        return
+    report.count("admission", "refused")
+    room = max(0, cert.largest + 1 - prompt_len)
+    raise Refused(f"{cert.refusal(request_id, computed)} This request: prompt {prompt_len} "
+                  f"+ max_tokens {max_tokens} tokens; "
+                  + (f"max_tokens <= {room} would fit." if room else
+                     "its prompt alone cannot fit."))
+
+
+@hookimpl
+def kvguard_startup_report(vllm_config, kv_cache_config):
+    cert = from_configs(vllm_config, kv_cache_config)
+    publish(cert)
+    return ["  " + cert.statement()]
+
+
+@hookimpl
+def kvguard_admit(request):
+    """The front end's check of one ``EngineCoreRequest`` (generation requests only)."""
+    params = getattr(request, "sampling_params", None)
+    tokens = getattr(request, "prompt_token_ids", None)
+    if params is None or tokens is None:
+        return
+    door_check(request.request_id, len(tokens), getattr(params, "max_tokens", None))

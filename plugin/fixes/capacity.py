@@ -28,7 +28,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes import admission as _admission
 from vllm_kvguard.fixes import estimate as _estimate
 from vllm_kvguard.fixes.estimate import (lookahead_tokens, manager_block_size, reserved,
                                          reserved_blocks)
@@ -304,6 +303,4 @@ def kvguard_startup_report(vllm_config, kv_cache_config):
     for w in cap.warnings:
         count("capacity", "warning")
         once(logging.WARNING, ("capacity", w), "vllm-kvguard: %s", w)
-    lines = format_report(cap)
-    lines.append("  " + _admission.from_configs(vllm_config, kv_cache_config).statement())
-    return lines
+    return format_report(cap)
