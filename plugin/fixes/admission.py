@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from vllm_kvguard import metrics, report
-from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks
+from vllm_kvguard.fixes.estimate import device_groups, lookahead_tokens, reserved_blocks
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome
 from vllm_kvguard.log import once
@@ -115,14 +115,7 @@ class Certificate:
 
 def from_configs(vllm_config, kv_cache_config) -> Certificate:
     """The certificate of an engine from its ``VllmConfig`` and ``KVCacheConfig``."""
-    groups = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        if getattr(group, "host_resident", False):
-            continue
-        spec = group.kv_cache_spec
-        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
-            spec = spec.first_spec
-        groups.append((i, spec))
+    groups = device_groups(kv_cache_config)
     spec_cfg = getattr(vllm_config, "speculative_config", None)
     k = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
     dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)

@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, field
 
 from vllm_kvguard.fixes import estimate as _estimate
-from vllm_kvguard.fixes.estimate import (lookahead_tokens, manager_block_size, reserved,
-                                         reserved_blocks)
+from vllm_kvguard.fixes.estimate import (device_groups, lookahead_tokens, manager_block_size,
+                                         reserved, reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 from vllm_kvguard.report import count
@@ -229,14 +229,7 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
                    max_num_seqs=int(sched.max_num_seqs), num_spec_tokens=k, lookahead=la,
                    vllm_concurrency=_vllm_concurrency(vllm_config, kv_cache_config),
                    full_decode_graphs=_full_decode_graphs(vllm_config))
-    specs = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        if getattr(group, "host_resident", False):
-            continue
-        spec = group.kv_cache_spec
-        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
-            spec = spec.first_spec
-        specs.append((i, spec))
+    specs = device_groups(kv_cache_config)
     cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc)
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)

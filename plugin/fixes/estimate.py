@@ -148,6 +148,20 @@ def reserved(spec, num_tokens: int, *, num_lookahead_tokens: int = 0, max_model_
     return result if result is not None else reserved_blocks(spec, num_tokens, **kwargs)
 
 
+def device_groups(kv_cache_config) -> list:
+    """(group index, spec) of every KV-cache group on the device pool (host-resident groups
+    left out; a ``UniformTypeKVCacheSpecs`` stands for its first spec)."""
+    out = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if getattr(group, "host_resident", False):
+            continue
+        spec = group.kv_cache_spec
+        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+            spec = spec.first_spec
+        out.append((i, spec))
+    return out
+
+
 def lookahead_tokens(vllm_config) -> int:
     """``VllmConfig.num_lookahead_tokens`` (0.32+), or the scheduler's own rule (0.27.1)."""
     value = getattr(type(vllm_config), "num_lookahead_tokens", None)
