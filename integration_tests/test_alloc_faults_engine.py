@@ -47,6 +47,7 @@ def test_faults_kill_vllm_and_the_fix_completes_every_request_identically(case):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow          # the serving tests cover EngineCore's counters in the default run
 @pytest.mark.timeout(600)
 def test_multiprocess_run_reports_the_faults_and_rollbacks_of_engine_core():
     # The injector and the rollbacks run in EngineCore, another process: the harness reads

