@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from vllm_kvguard import activation, log, report  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import make_request, make_scheduler, scheduler_step  # noqa: E402
 
-STEPS = 400
+STEPS = 1500        # enough for 6 requests of up to 200 output tokens one after another, with recomputes
 
 TRAFFIC = st.tuples(
     st.integers(6, 25),                                             # num_gpu_blocks
@@ -40,8 +40,13 @@ def _run(on: bool, blocks: int, reqs) -> dict[str, str]:
         sched.add_request(make_request(f"r{i}", [(i * 31 + j) % 900 + 3 for j in range(plen)],
                                        max_tokens=max_tokens))
     finished: dict[str, str] = {}
+    idle = 0
     for _ in range(STEPS):
-        _, outputs = scheduler_step(sched, sample_token=5)
+        out, outputs = scheduler_step(sched, sample_token=5)
+        # nothing scheduled, nothing running: no outside event can change that here
+        idle = idle + 1 if not out.total_num_scheduled_tokens and not sched.running else 0
+        if idle >= 20:
+            break
         for eco in outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:
