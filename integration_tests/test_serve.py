@@ -167,6 +167,7 @@ def _hybrid(pool, off_name, faults_name):
            audit_steps=run.counters["audit"]["steps"], startup_s=round(run.startup_s))
 
 
+@pytest.mark.slow          # hybrid under faults runs in-process (NemotronH + ngram) by default
 @pytest.mark.timeout(TIMEOUT_S)
 @uses("nemotron-off", "nemotron-faults")
 def test_hybrid_under_faults(pool):
