@@ -28,7 +28,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from vllm_kvguard import metrics, report
-from vllm_kvguard.fixes.estimate import device_groups, lookahead_tokens, reserved_blocks
+from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens, num_spec,
+                                         reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome
 from vllm_kvguard.log import once
@@ -88,15 +89,18 @@ class Certificate:
                 hi = mid
         return lo
 
+    @property
+    def max_total(self) -> int:
+        """The largest prompt + ``max_tokens``: the last token is sampled, never computed,
+        so one more than :attr:`largest`, up to ``max_model_len``."""
+        return min(self.largest + 1, self.max_model_len)
+
     def bounding_group(self, num_tokens: int) -> tuple[int, int]:
         """The group holding the most blocks at ``num_tokens``: (index, blocks)."""
         return max(self.group_needs(num_tokens), key=lambda g: g[1])
 
     def statement(self) -> str:
-        top = self.largest
-        # The last token is sampled, never computed: prompt + max_tokens may be one more.
-        total = top + 1 if top < self.max_model_len else self.max_model_len
-        return (f"largest admissible request: prompt + max_tokens <= {total} tokens at "
+        return (f"largest admissible request: prompt + max_tokens <= {self.max_total} tokens at "
                 f"{self.draft_tokens} draft tokens (lookahead {self.lookahead}), "
                 f"max_model_len={self.max_model_len}, {self.usable} usable blocks")
 
@@ -115,13 +119,11 @@ class Certificate:
 
 def from_configs(vllm_config, kv_cache_config) -> Certificate:
     """The certificate of an engine from its ``VllmConfig`` and ``KVCacheConfig``."""
-    groups = device_groups(kv_cache_config)
-    spec_cfg = getattr(vllm_config, "speculative_config", None)
-    k = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
-    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
-    return Certificate(groups=tuple(groups), usable=int(kv_cache_config.num_blocks) - 1,
+    return Certificate(groups=tuple(device_groups(kv_cache_config)),
+                       usable=int(kv_cache_config.num_blocks) - 1,
                        max_model_len=int(vllm_config.model_config.max_model_len),
-                       lookahead=lookahead_tokens(vllm_config), draft_tokens=k, dcp=dcp)
+                       lookahead=lookahead_tokens(vllm_config),
+                       draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config))
 
 
 _by_scheduler: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -163,7 +165,8 @@ def publish(cert: Certificate) -> None:
 
 
 def published() -> Certificate | None:
-    """This process's certificate, else the tightest one an EngineCore published."""
+    """This process's certificate, else the tightest one an EngineCore published (read
+    once: every EngineCore publishes while it starts, before the front end serves)."""
     if _published:
         return _published[0]
     directory = metrics.directory()
@@ -182,6 +185,8 @@ def published() -> Certificate | None:
             continue
         if isinstance(cert, Certificate) and (best is None or cert.largest < best.largest):
             best = cert
+    if best is not None:
+        _published[:] = [best]
     return best
 
 
@@ -199,7 +204,7 @@ def door_check(request_id: str, prompt_len: int, max_tokens: int | None) -> None
     if cert.fits(computed):
         return
     report.count("admission", "refused")
-    room = max(0, cert.largest + 1 - prompt_len)
+    room = max(0, cert.max_total - prompt_len)
     raise Refused(f"{cert.refusal(request_id, computed)} This request: prompt {prompt_len} "
                   f"+ max_tokens {max_tokens} tokens; "
                   + (f"max_tokens <= {room} would fit." if room else

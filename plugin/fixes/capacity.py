@@ -29,8 +29,9 @@ import math
 from dataclasses import dataclass, field
 
 from vllm_kvguard.fixes import estimate as _estimate
-from vllm_kvguard.fixes.estimate import (device_groups, lookahead_tokens, manager_block_size,
-                                         reserved, reserved_blocks)
+from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens,
+                                         manager_block_size, num_spec, reserved,
+                                         reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 from vllm_kvguard.report import count
@@ -218,10 +219,9 @@ def clear_cache() -> None:
 def compute(vllm_config, kv_cache_config) -> Capacity:
     mml = int(vllm_config.model_config.max_model_len)
     sched = vllm_config.scheduler_config
-    spec_cfg = getattr(vllm_config, "speculative_config", None)
-    k = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
+    k = num_spec(vllm_config)
     la = lookahead_tokens(vllm_config)
-    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    dcp = dcp_size(vllm_config)
     chunk = int(sched.max_num_batched_tokens) if getattr(
         sched, "enable_chunked_prefill", True) else mml
     enc = int(getattr(sched, "max_num_encoder_input_tokens", 0) or 0)

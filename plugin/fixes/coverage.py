@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from vllm_kvguard.fixes.estimate import num_spec
 from vllm_kvguard.fixes.graph_owners import GraphOwner, modes
 from vllm_kvguard.log import logger
 
@@ -48,11 +49,6 @@ class Family:
 def token_budget(vllm_config) -> int:
     sc = vllm_config.scheduler_config
     return int(getattr(sc, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens)
-
-
-def num_spec(vllm_config) -> int:
-    sc = getattr(vllm_config, "speculative_config", None)
-    return int(getattr(sc, "num_speculative_tokens", 0) or 0) if sc is not None else 0
 
 
 def _dynamic_tiers(vllm_config, base_q: int) -> list[tuple[int, int, int]] | None:

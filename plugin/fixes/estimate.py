@@ -162,6 +162,17 @@ def device_groups(kv_cache_config) -> list:
     return out
 
 
+def num_spec(vllm_config) -> int:
+    """Draft tokens per step (``speculative_config.num_speculative_tokens``; 0 without)."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(sc, "num_speculative_tokens", 0) or 0) if sc is not None else 0
+
+
+def dcp_size(vllm_config) -> int:
+    """Decode context parallel size (1 without DCP)."""
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
 def lookahead_tokens(vllm_config) -> int:
     """``VllmConfig.num_lookahead_tokens`` (0.32+), or the scheduler's own rule (0.27.1)."""
     value = getattr(type(vllm_config), "num_lookahead_tokens", None)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from vllm_kvguard.fixes.coverage import format_table, num_spec
+from vllm_kvguard.fixes.coverage import format_table
+from vllm_kvguard.fixes.estimate import num_spec
 from vllm_kvguard.fixes.graph_owners import GraphOwner, modes, v1_probe, v2_probe
 from vllm_kvguard.fixes.planner import audit, complete, short
 

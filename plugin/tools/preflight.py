@@ -171,13 +171,13 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     cert = admission.from_configs(vc, kvc)
     largest = cert.largest
     problems = [w.rstrip(".") for w in cap.warnings]
-    if largest + 1 < cert.max_model_len:      # the last token is sampled, not computed
+    if cert.max_total < cert.max_model_len:
         group, blocks = cert.bounding_group(cert.max_model_len)
         problems.append(f"a max_model_len request can never fit: at {cert.max_model_len} "
                         f"tokens it holds at least {cert.need(cert.max_model_len)} blocks "
                         f"(group {group}: {blocks}) of {cert.usable} usable; requests "
                         f"reaching more than {largest} tokens are failed. Lower "
-                        f"--max-model-len to {largest + 1} or give the KV cache more memory")
+                        f"--max-model-len to {cert.max_total} or give the KV cache more memory")
     for r in gaps:
         problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
                         f"{r.gap_mode}; fix: {r.fix}")
