@@ -7,7 +7,8 @@ Targets
         EngineCore published at startup, through the ``warmup`` patch's startup report)
         is refused with a ``ValueError`` naming its block need, the pool and the bounding
         group: ``LLM.generate`` raises it, ``vllm serve`` answers HTTP 400, nothing
-        enters EngineCore. ``KVGUARD_ADMISSION=off`` leaves this patch out.
+        enters EngineCore. ``KVGUARD_ADMISSION=off`` leaves this patch out. Its setup
+        registers the door (``admission.DOOR``) in the process that takes requests.
 Why
     Without it such a request is admitted, grows until it can never be readmitted and
     waits forever, holding the queue (vllm#39734, vllm#53130, vllm#45414, vllm#53868;
@@ -29,6 +30,19 @@ def process_inputs(call: HostCall):
     return request
 
 
+def _setup(flags):
+    from vllm_kvguard.fixes import admission
+    from vllm_kvguard.manager import register
+
+    register(admission.DOOR, "kvguard.door")
+
+
+def _teardown():
+    from vllm_kvguard.manager import unregister
+
+    unregister("kvguard.door")
+
+
 PATCH = Patch(
     name=NAME,
     summary="refusal at the door: a request that can never fit is a ValueError (HTTP 400)",
@@ -37,4 +51,6 @@ PATCH = Patch(
     vllm_versions=">=0.27.1,<0.34",
     upstream=("vllm#39734", "vllm#53130", "vllm#45414", "vllm#53868", "vllm#52530"),
     remove_when="vLLM refuses never-fitting requests at input validation (HTTP 400)",
+    setup=_setup,
+    teardown=_teardown,
 )

@@ -8,10 +8,12 @@ the same registry. :func:`setup` registers one collector there (no HTTP server o
     every reason the fallback accounting declares (``report.declare``), at 0 from startup
 ``kvguard_events_total{category=..., reason=...}``
     every other :func:`vllm_kvguard.report.count` category
+``kvguard_waiting_requests{cause=...}`` (a gauge; likewise any :func:`report.set_gauge`)
+    requests the liveness guard sees waiting, not failed, by cause
 
 Counts happen where vLLM runs the code (EngineCore, workers); ``/metrics`` is served by the
 API server process. Each process that counts writes its :func:`report.snapshot` to
-``<KVGUARD_METRICS_DIR>/<pid>.json`` (atomically, at most once a second via a one-shot
+``<KVGUARD_METRICS_DIR>/<pid>.json`` (gauges: ``<pid>.gauges``; atomically, at most once a second via a one-shot
 timer, and at exit); the directory is created by the first process that activates the
 plugin and inherited by the processes it starts (an internal variable, like vLLM's own
 ``PROMETHEUS_MULTIPROC_DIR``). At scrape time the collector adds the other processes'
@@ -35,6 +37,7 @@ ENV_DIR = "KVGUARD_METRICS_DIR"
 FLUSH_INTERVAL_S = 1.0
 FALLBACK_METRIC = "kvguard_cudagraph_fallbacks"
 EVENTS_METRIC = "kvguard_events"
+GAUGE_SUFFIX = ".gauges"
 
 _lock = threading.Lock()
 _state: dict = {"dir": None, "created": False, "collector": None, "registry": None,
@@ -57,11 +60,11 @@ class KvguardCollector:
         return self._families({})
 
     def collect(self):
-        return self._families(totals())
+        return self._families(totals(), gauge_totals())
 
     @staticmethod
-    def _families(counts: dict):
-        from prometheus_client.core import CounterMetricFamily
+    def _families(counts: dict, gauges: dict | None = None):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         category, reasons = _fallback_reasons()
         fallbacks = CounterMetricFamily(
@@ -76,7 +79,17 @@ class KvguardCollector:
             if cat != category:
                 for reason, n in sorted(counts[cat].items()):
                     events.add_metric([cat, reason], float(n))
-        return [fallbacks, events]
+        families = [fallbacks, events]
+        for name, values in sorted((gauges or {}).items()):
+            family = GaugeMetricFamily(f"kvguard_{name}", f"vllm-kvguard {name} (gauge)",
+                                       labels=[GAUGE_LABELS.get(name, "label")])
+            for label, n in sorted(values.items()):
+                family.add_metric([label], float(n))
+            families.append(family)
+        return families
+
+
+GAUGE_LABELS = {"waiting_requests": "cause"}
 
 
 def setup(registry=None) -> None:
@@ -164,14 +177,18 @@ def flush() -> None:
 
     directory = _state["dir"]
     _state["last_flush"] = time.monotonic()
-    snap = report.snapshot()
-    if directory is None or not snap:
+    if directory is None:
         return
-    path = os.path.join(directory, f"{os.getpid()}.json")
+    for data, suffix in ((report.snapshot(), ".json"), (report.gauges(), GAUGE_SUFFIX)):
+        if data:
+            _write(os.path.join(directory, f"{os.getpid()}{suffix}"), data)
+
+
+def _write(path: str, data: dict) -> None:
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
-            json.dump(snap, f)
+            json.dump(data, f)
         os.replace(tmp, path)
     except OSError:
         pass                       # the directory went away (shutdown): nothing to publish
@@ -181,16 +198,27 @@ def totals() -> dict[str, dict[str, int]]:
     """Counters of every process: the other processes' files plus this one's live state."""
     from vllm_kvguard import report
 
+    return _merged(".json", report.snapshot())
+
+
+def gauge_totals() -> dict[str, dict[str, int]]:
+    """Gauges summed over every process (each EngineCore's waiting requests add up)."""
+    from vllm_kvguard import report
+
+    return _merged(GAUGE_SUFFIX, report.gauges())
+
+
+def _merged(suffix: str, own_data: dict) -> dict[str, dict[str, int]]:
     merged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     directory = _state["dir"]
-    own = f"{os.getpid()}.json"
+    own = f"{os.getpid()}{suffix}"
     if directory:
         try:
             names = os.listdir(directory)
         except OSError:
             names = []
         for name in names:
-            if not name.endswith(".json") or name == own:
+            if not name.endswith(suffix) or name == own:
                 continue
             try:
                 with open(os.path.join(directory, name)) as f:
@@ -200,7 +228,7 @@ def totals() -> dict[str, dict[str, int]]:
             for cat, reasons in snap.items():
                 for reason, n in reasons.items():
                     merged[cat][reason] += int(n)
-    for cat, reasons in report.snapshot().items():
+    for cat, reasons in own_data.items():
         for reason, n in reasons.items():
             merged[cat][reason] += n
     return {cat: dict(r) for cat, r in merged.items()}

@@ -2,7 +2,8 @@
 
 ``count("rollback", "ValueError")`` is cheap (a dict update under a lock) and works in
 every process; :func:`snapshot` returns ``{"category": {"reason": n}}``. Exporting them
-(Prometheus, the A/B tool's JSON) reads :func:`snapshot`.
+(Prometheus, the A/B tool's JSON) reads :func:`snapshot`. Gauges (``set_gauge``: a
+current value per label, replaced as a whole) sit beside them, read by :func:`gauges`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ _lock = threading.Lock()
 _counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 _listeners: list = []
 _declared: dict[str, tuple[str, ...]] = {}
+_gauges: dict[str, dict[str, int]] = {}
 
 
 def count(category: str, reason: str = "total", n: int = 1) -> None:
@@ -20,6 +22,22 @@ def count(category: str, reason: str = "total", n: int = 1) -> None:
         _counters[category][reason] += n
     for listener in _listeners:
         listener()
+
+
+def set_gauge(name: str, values: dict[str, int]) -> None:
+    """Replace gauge ``name``'s values (``{label: n}``); listeners hear of a change."""
+    values = {k: int(v) for k, v in values.items()}
+    with _lock:
+        if _gauges.get(name) == values:
+            return
+        _gauges[name] = values
+    for listener in _listeners:
+        listener()
+
+
+def gauges() -> dict[str, dict[str, int]]:
+    with _lock:
+        return {name: dict(values) for name, values in _gauges.items()}
 
 
 def declare(category: str, reasons: tuple[str, ...]) -> None:
@@ -50,3 +68,4 @@ def snapshot() -> dict[str, dict[str, int]]:
 def reset_counters() -> None:
     with _lock:
         _counters.clear()
+        _gauges.clear()

@@ -83,6 +83,24 @@ def test_the_certificate_crosses_processes_through_the_metrics_directory(tmp_pat
     admission.door_check("r", 200, 57)
 
 
+def test_a_front_end_that_builds_no_scheduler_refuses_at_its_door(tmp_path, monkeypatch):
+    """``vllm serve``'s API server: only the ``admission`` patch wraps there (no scheduler,
+    no startup report); the certificate comes from EngineCore's file, and vLLM's own
+    ``InputProcessor`` refuses the request."""
+    from vllm_kvguard import metrics
+
+    monkeypatch.setattr(metrics, "directory", lambda: str(tmp_path))
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
+    admission.publish(admission.of_scheduler(make_scheduler(num_gpu_blocks=17)))  # EngineCore
+    activation.deactivate()
+    admission.clear_published()
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission"})
+    proc = processor(make_vllm_config(num_gpu_blocks=17))
+    with pytest.raises(ValueError, match="request over can never fit the KV cache"):
+        submit(proc, "over", 200, 58)
+    assert submit(proc, "fits", 200, 57).request_id == "fits"
+
+
 @pytest.mark.parametrize("blocks, block_size", [(9, 16), (17, 16), (30, 16), (5, 32),
                                                (12, 32)])
 def test_the_certificate_equals_the_allocator_on_an_empty_pool(blocks, block_size):

@@ -60,6 +60,25 @@ def test_other_processes_are_added(registry):
     assert 'kvguard_cudagraph_fallbacks_total{reason="non_uniform_drafts"} 6.0' in out
 
 
+def test_gauges_are_replaced_not_added_and_summed_over_processes(registry):
+    """``kvguard_waiting_requests{cause}``: each process's current value (an EngineCore
+    writes ``<pid>.gauges``); the front end serves the sum."""
+    directory = os.environ[metrics.ENV_DIR]
+    code = ("from vllm_kvguard import metrics, report\n"
+            "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
+            "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})\n"
+            "metrics.flush()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, metrics.ENV_DIR: directory})
+    report.set_gauge("waiting_requests", {"kv_connector": 5})
+    report.set_gauge("waiting_requests", {"kv_connector": 1})          # replaced
+    out = text(registry)
+    assert "# TYPE kvguard_waiting_requests gauge" in out
+    assert 'kvguard_waiting_requests{cause="kv_connector"} 3.0' in out
+    assert 'kvguard_waiting_requests{cause="grammar"} 0.0' in out
+    assert "waiting_requests" not in metrics.totals()                  # not a counter
+
+
 def test_flush_is_rate_limited_and_completed_by_a_timer(registry):
     directory = os.environ[metrics.ENV_DIR]
     own = os.path.join(directory, f"{os.getpid()}.json")

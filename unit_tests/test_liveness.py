@@ -134,14 +134,16 @@ def _deferred_run(on: bool, defers: int, is_async: bool, steps: int):
     sched = make_connector_scheduler(defers=defers, is_async=is_async,
                                      matched_tokens=16 if is_async else 0)
     sched.add_request(make_request("0", prompt(4, 32), max_tokens=4))
-    first, finished = None, {}
+    first, finished, gauged = None, {}, []
     for step in range(1, steps + 1):
         done = ["0"] if is_async and step == defers + 1 + LOAD_STEPS else None
         out, engine_outputs = scheduler_step(sched, finished_recving=done)
         if first is None and out.total_num_scheduled_tokens:
             first = step
         finished.update(finish_reasons(engine_outputs))
-    return first, finished, report.snapshot()
+        if report.gauges().get("waiting_requests", {}).get("kv_connector"):
+            gauged.append(step)
+    return first, finished, report.snapshot(), gauged
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -149,11 +151,13 @@ def _deferred_run(on: bool, defers: int, is_async: bool, steps: int):
 def test_a_connector_deferral_is_waited_for_not_failed(kvguard_log, defers, is_async):
     steps = defers + LOAD_STEPS + 12
     plain = _deferred_run(False, defers, is_async, steps)
-    first, finished, counters = _deferred_run(True, defers, is_async, steps)
+    first, finished, counters, gauged = _deferred_run(True, defers, is_async, steps)
     start = defers + 1 + (LOAD_STEPS + 1 if is_async else 0)
     assert (first, finished) == plain[:2] == (start, {"0": "length"})
     assert "liveness" not in counters
     assert counters["waiting"] == {"kv_connector": 1}    # reported once, at 64 steps
+    # the gauge: 1 waiting on the connector from the 64th idle step until it is scheduled
+    assert gauged == list(range(64, defers + 1)), (gauged[:3], gauged[-3:])
     line = next(line for line in kvguard_log.lines() if "has waited" in line)
     assert "request 0 has waited 64 scheduler steps" in line and "kv_connector" in line
 

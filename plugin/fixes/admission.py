@@ -143,7 +143,18 @@ SUFFIX = ".admission"                  # beside the metrics snapshots (<pid>.jso
 _published: list = []                  # this process's own engine (in-process LLM)
 
 
-class Refused(KvguardOutcome, ValueError):
+def _validation_error() -> tuple:
+    """vLLM's own request-validation error, where it has one: the API server maps it to
+    HTTP 400 and ``AsyncLLM`` re-raises it as is (any other error from input processing
+    becomes ``EngineGenerateError``, an HTTP 500)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ()
+    return (VLLMValidationError,)
+
+
+class Refused(KvguardOutcome, *_validation_error(), ValueError):
     """A request that can never fit, refused before it reaches EngineCore."""
 
 
@@ -205,10 +216,13 @@ def door_check(request_id: str, prompt_len: int, max_tokens: int | None) -> None
         return
     report.count("admission", "refused")
     room = max(0, cert.max_total - prompt_len)
-    raise Refused(f"{cert.refusal(request_id, computed)} This request: prompt {prompt_len} "
-                  f"+ max_tokens {max_tokens} tokens; "
-                  + (f"max_tokens <= {room} would fit." if room else
-                     "its prompt alone cannot fit."))
+    message = (f"{cert.refusal(request_id, computed)} This request: prompt {prompt_len} "
+               f"+ max_tokens {max_tokens} tokens; "
+               + (f"max_tokens <= {room} would fit." if room else
+                  "its prompt alone cannot fit."))
+    if len(Refused.__mro__) > 4:            # vLLM's validation error: name the parameter
+        raise Refused(message, parameter="max_tokens", value=max_tokens)
+    raise Refused(message)
 
 
 @hookimpl
@@ -218,11 +232,19 @@ def kvguard_startup_report(vllm_config, kv_cache_config):
     return ["  " + cert.statement()]
 
 
-@hookimpl
-def kvguard_admit(request):
-    """The front end's check of one ``EngineCoreRequest`` (generation requests only)."""
-    params = getattr(request, "sampling_params", None)
-    tokens = getattr(request, "prompt_token_ids", None)
-    if params is None or tokens is None:
-        return
-    door_check(request.request_id, len(tokens), getattr(params, "max_tokens", None))
+class Door:
+    """The front end's check, registered by the ``admission`` patch (the process that
+    takes requests need not be the one that builds a scheduler, so the door does not
+    ride on the startup report that publishes the certificate)."""
+
+    @hookimpl
+    def kvguard_admit(self, request):
+        """One ``EngineCoreRequest`` (generation requests only)."""
+        params = getattr(request, "sampling_params", None)
+        tokens = getattr(request, "prompt_token_ids", None)
+        if params is None or tokens is None:
+            return
+        door_check(request.request_id, len(tokens), getattr(params, "max_tokens", None))
+
+
+DOOR = Door()

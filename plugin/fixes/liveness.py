@@ -14,7 +14,8 @@ Everything else waits, however long: a KV connector deferring its match, remote 
 transfers, grammar compilation, streaming input, a paused scheduler, preemption, or
 vLLM's own admission rule. A head that has not moved for ``KVGUARD_LIVENESS_STEPS``
 (default 64) steps with nothing scheduled is reported, not failed: one warning per cause
-with the request id and the steps waited, and the ``waiting`` counter per cause.
+with the request id and the steps waited, the ``waiting`` counter per cause, and while it
+lasts the ``waiting_requests`` gauge: the waiting requests by cause.
 """
 from __future__ import annotations
 
@@ -27,14 +28,20 @@ from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
 
+CAUSES = ("remote_kv", "grammar", "streaming_input", "paused", "kv_connector",
+          "kv_transfer", "preempted", "admission")
+GAUGE = "waiting_requests"
+
+
 class _Watch:
-    __slots__ = ("head", "tokens", "steps", "reported")
+    __slots__ = ("head", "tokens", "steps", "reported", "gauged")
 
     def __init__(self):
         self.head = None
         self.tokens = -1
         self.steps = 0
         self.reported = False
+        self.gauged = False
 
 
 # Per scheduler, while its waiting queue is not empty (nothing on the Scheduler itself:
@@ -42,13 +49,26 @@ class _Watch:
 _watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _first(scheduler):
-    """The head of the waiting queue, else of ``skipped_waiting`` (vLLM 0.27-0.29 park
-    deferred and blocked requests there)."""
+def _waiting(scheduler):
+    """The waiting requests, then ``skipped_waiting`` (vLLM 0.27-0.29 park deferred and
+    blocked requests there); priority queues hold ``(priority, ..., request)`` items."""
     for queue in (scheduler.waiting, getattr(scheduler, "skipped_waiting", ())):
         for item in queue:
-            return item if hasattr(item, "request_id") else item[-1]
-    return None
+            yield item if hasattr(item, "request_id") else item[-1]
+
+
+def _first(scheduler):
+    return next(_waiting(scheduler), None)
+
+
+def _gauge(scheduler=None) -> None:
+    """Set the gauge from ``scheduler``'s waiting requests (None: all causes at 0)."""
+    values = dict.fromkeys(CAUSES, 0)
+    if scheduler is not None:
+        for request in _waiting(scheduler):
+            cause = waiting_cause(scheduler, request)
+            values[cause] = values.get(cause, 0) + 1
+    report.set_gauge(GAUGE, values)
 
 
 def waiting_cause(scheduler, request) -> str:
@@ -110,6 +130,7 @@ class Liveness:
 
     def __init__(self, steps: int = 64):
         self.steps = steps
+        _gauge()
 
     @hookimpl
     def kvguard_after_schedule(self, scheduler, output):
@@ -117,7 +138,9 @@ class Liveness:
             if not (scheduler.waiting or getattr(scheduler, "skipped_waiting", None)):
                 # the every-step case: nothing to watch
                 if _watches:
-                    _watches.pop(scheduler, None)
+                    watch = _watches.pop(scheduler, None)
+                    if watch is not None and watch.gauged:
+                        _gauge()
                 return
             self._watch(scheduler, output)
         except Exception as exc:        # fail open: the guard never takes the engine down
@@ -143,6 +166,12 @@ class Liveness:
                 head, head.num_tokens, 0, False
         stalled = getattr(output, "total_num_scheduled_tokens", 1) == 0 and not scheduler.running
         watch.steps = watch.steps + 1 if stalled else 0
+        if watch.steps >= self.steps:
+            _gauge(scheduler)
+            watch.gauged = True
+        elif watch.gauged:
+            _gauge()
+            watch.gauged = False
         if watch.steps >= self.steps and not watch.reported:
             watch.reported = True
             cause = waiting_cause(scheduler, head)

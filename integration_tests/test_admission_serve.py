@@ -1,0 +1,97 @@
+"""Refusal at the door on the real serving path: ``vllm serve`` (multiprocess: API server,
+EngineCore, worker) driven by the ``openai`` client over loopback.
+
+The pool: ``--num-gpu-blocks-override 16`` blocks of 32 tokens with ``max_model_len`` 512.
+vLLM 0.27.1's startup check counts all 16 blocks (512 tokens: one ``max_model_len``
+request fits), but block 0 is the null block, so a request holds at most 15 (480 tokens).
+vLLM >= 0.29 subtracts the null block in that check and refuses the engine at startup,
+so there is nothing for the door to catch on those pins and the test is skipped there.
+
+A request of 40 prompt tokens + ``max_tokens`` 460 (500 <= ``max_model_len``) can never
+fit. With the plugin the API server answers HTTP 400 at once, from the certificate
+EngineCore published at startup, counts it on ``/metrics`` and keeps serving; without it
+vLLM admits the request, which never finishes (recorded: still unanswered when the
+client's timeout ends the wait).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_kvguard.tools.serve import Server, complete_all
+from vllm_kvguard.tools.tiny_models import write_model
+from vllm_kvguard.tools.workload import make_prompts
+from vllm_kvguard.versions import vllm_version
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.smoke]
+
+ARGS = ("--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+        "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4",
+        "--seed", "0", "--block-size", "32", "--num-gpu-blocks-override", "16")
+OVER = dict(prompt=list(range(3, 43)), max_tokens=460)
+WAIT_S = 20          # how long the plugin-off side's over-capacity request is waited for
+
+
+def _gap_pin() -> bool:
+    """Whether vLLM's own startup check admits a pool one null block short (0.27.x)."""
+    from packaging.version import Version
+
+    version = vllm_version()
+    return version is not None and version < Version("0.29")
+
+
+def _over(server, timeout: float):
+    """Send the over-capacity request: (what the client saw, its text, seconds)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
+                           max_retries=0, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        r = client.completions.create(model=server.model_id(), temperature=0,
+                                      extra_body={"ignore_eos": True}, **OVER)
+        seen, text = f"finish {r.choices[0].finish_reason}", ""
+    except openai.BadRequestError as exc:
+        seen, text = "http 400", str(exc)
+    except openai.APIStatusError as exc:
+        seen, text = f"http {exc.status_code}", str(exc)
+    except openai.APITimeoutError as exc:
+        seen, text = "timeout", str(exc)
+    finally:
+        client.close()
+    return seen, text, time.monotonic() - t0
+
+
+def _others(server):
+    prompts = make_prompts({"num_requests": 8, "seed": 0, "prompt_len": 40,
+                            "repetitive": True})
+    return complete_all(server.base_url, server.model_id(), prompts, 16, concurrency=4,
+                        request_timeout=90, deadline_s=240)
+
+
+@pytest.mark.timeout(900)
+def test_an_over_capacity_request_gets_http_400_at_once_and_serving_goes_on(tmp_path):
+    if not _gap_pin():
+        pytest.skip(f"vLLM {vllm_version()} refuses this pool at startup (its check "
+                    "reserves the null block since 0.29): no never-fitting request reaches "
+                    "the door")
+    model = write_model("llama", tmp_path / "llama")
+    with Server(model, list(ARGS), {"KVGUARD": "1"}, name="admission-on",
+                log_dir=str(tmp_path)) as on:
+        on.wait_ready(600)
+        seen, text, secs = _over(on, timeout=30)
+        print(f"\n[admission] plugin on: {seen} in {secs:.2f} s: {text[:400]}")
+        assert seen == "http 400", (seen, text, on.tail())
+        assert secs < 1.0, secs
+        assert "can never fit the KV cache" in text, text
+        assert "15 usable blocks" in text and "prompt + max_tokens <= 481 tokens" in text, text
+        batch = _others(on)
+        assert batch.all_ok, batch.summary()
+        assert on.kvguard_counters().get("admission") == {"refused": 1}, on.metrics_text()
+    with Server(model, list(ARGS), {}, name="admission-off", log_dir=str(tmp_path)) as off:
+        off.wait_ready(600)
+        seen, text, secs = _over(off, timeout=WAIT_S)
+        print(f"[admission] plugin off: {seen} after {secs:.1f} s (vLLM admits the request "
+              f"and it never finishes)")
+        assert seen == "timeout", (seen, text)
