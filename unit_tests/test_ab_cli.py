@@ -34,6 +34,11 @@ def no_engine(mocker):
     (["--threads", "many"], ["--threads", "auto"]),
     (["--engine-arg", "no-equals"], ["--engine-arg", "KEY=VALUE"]),
     (["--json", "/no/such/dir/x.json"], ["--json", "/no/such/dir"]),
+    (["--serve", "--scenario", "kv-pressure"], ["--scenario", "'kv-pressure'", "--serve",
+                                                "baseline, alloc-faults"]),
+    (["--serve", "--request-rate", "0"], ["--request-rate", "'0'", "inf"]),
+    (["--serve", "--request-rate", "fast"], ["--request-rate", "'fast'"]),
+    (["--serve", "--request-timeout", "-1"], ["--request-timeout", "> 0"]),
 ])
 def test_bad_argument_fails_fast_naming_it_and_the_valid_choices(argv, words, no_engine,
                                                                  capsys):

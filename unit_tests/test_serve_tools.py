@@ -48,6 +48,8 @@ def test_classify_names_what_the_client_saw():
     assert serve.classify(refused)[0] == "connection refused"
     assert serve.classify(openai.APITimeoutError(request=req))[0] == "timeout"
     assert serve.classify(openai.APIConnectionError(request=req))[0] == "connection error"
+    in_stream = openai.APIError("EngineCore died", request=req, body=None)
+    assert serve.classify(in_stream)[0] == "stream error"
 
 
 def test_server_env_is_loopback_and_drops_the_callers_kvguard_flags(monkeypatch):

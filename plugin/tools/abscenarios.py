@@ -64,6 +64,8 @@ SCENARIOS = {sc.name: sc for sc in (
              plugin_b=False, default=False),
 )}
 DEFAULT_SCENARIOS = tuple(name for name, sc in SCENARIOS.items() if sc.default)
+# the scenarios ``--serve`` runs (their engine settings are plain ``vllm serve`` flags)
+SERVED = ("baseline", "alloc-faults")
 
 
 def scenario_spec(sc: Scenario, settings: dict) -> dict:

@@ -181,3 +181,37 @@ def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dic
 
 def verdict(all_checks: Iterable[dict]) -> bool:
     return all(c["status"] != FAIL for c in all_checks)
+
+
+# ---------------------------------------------------------------------------- serving
+LATENCIES = ("ttft", "itl", "e2e")        # time to first token, between tokens, end to end
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between the closest ranks (numpy's default,
+    as vLLM's serving benchmark computes it); None for no values."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def latency_summary(samples: dict[str, Sequence[float]]) -> dict[str, dict[str, float | None]]:
+    """``{metric: {"p50", "p99", "n"}}`` for each latency in ``samples`` (seconds)."""
+    return {m: {"p50": percentile(samples.get(m) or (), 50),
+                "p99": percentile(samples.get(m) or (), 99), "n": len(samples.get(m) or ())}
+            for m in LATENCIES}
+
+
+def latency_ratios(a: dict, b: dict) -> dict[str, float | None]:
+    """B/A of each latency percentile, ``{"ttft_p50": r, ...}`` (None where a side has none);
+    above 1 means B is slower."""
+    out = {}
+    for m in LATENCIES:
+        for q in ("p50", "p99"):
+            x, y = (a.get(m) or {}).get(q), (b.get(m) or {}).get(q)
+            out[f"{m}_{q}"] = y / x if x and y is not None else None
+    return out

@@ -223,6 +223,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
                 return "connection refused", text
             cause = cause.__cause__
         return "connection error", text
+    if isinstance(exc, openai.APIError):        # an error event inside a 200 stream
+        return "stream error", text
     return type(exc).__name__, text
 
 
