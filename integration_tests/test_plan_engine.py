@@ -2,9 +2,10 @@
 planner prints the same per-group KV tables and the same CUDA-graph coverage table as the
 engine logs at startup with the plugin on (``KVGUARD=1``).
 
-One engine (ngram k = 3, prefix caching off: vLLM's CPU limit, a fixed pool) and the
-``kvguard plan`` command with the same settings run side by side as two processes; the
-planner's ``--cudagraph-mode NONE`` is what vLLM runs on CPU. The GPU-shaped worked example
+One engine (ngram k = 3, prefix caching off: vLLM's CPU limit, a fixed pool and token
+budget) and the ``kvguard plan`` command with the same settings run side by side as two
+processes; the planner's ``--cudagraph-mode NONE --attention-backend CPU_ATTN`` is what
+vLLM runs on CPU. The GPU-shaped worked example
 (256 sequences, k = 3: 129-256 uncovered) is unit_tests/test_preflight.py.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
           "prompt_lookup_min": 2}
-MAX_MODEL_LEN, MAX_NUM_SEQS, POOL = 512, 8, 64
+MAX_MODEL_LEN, MAX_NUM_SEQS, POOL, BUDGET = 512, 8, 64, 2048
 CAPACITY, COVERAGE = "vllm-kvguard KV capacity:", "vllm-kvguard CUDA-graph coverage"
 
 ENGINE = r'''
@@ -28,9 +29,10 @@ from vllm_kvguard.tools.tiny_models import engine_kwargs
 from vllm_kvguard.tools.workload import pad_cpu_conv_weights
 
 pad_cpu_conv_weights()
-model, mml, seqs, pool, spec = sys.argv[1], *map(int, sys.argv[2:5]), json.loads(sys.argv[5])
+model, mml, seqs, pool, budget = sys.argv[1], *map(int, sys.argv[2:6])
 llm = LLM(**engine_kwargs(model, max_model_len=mml, max_num_seqs=seqs, num_gpu_blocks_override=pool,
-                          enable_prefix_caching=False, speculative_config=spec))
+                          max_num_batched_tokens=budget, enable_prefix_caching=False,
+                          speculative_config=json.loads(sys.argv[6])))
 print("ENGINE UP", flush=True)
 '''
 
@@ -64,13 +66,14 @@ def engine_and_plan(tmp_path_factory):
     spec = json.dumps(NGRAM3)
     engine = subprocess.Popen(
         [sys.executable, "-c", ENGINE, model, str(MAX_MODEL_LEN), str(MAX_NUM_SEQS),
-         str(POOL), spec], env={**env, "KVGUARD": "1"}, stdout=subprocess.PIPE,
+         str(POOL), str(BUDGET), spec], env={**env, "KVGUARD": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     plan = subprocess.Popen(
         [sys.executable, "-m", "vllm_kvguard.tools.cli", "plan", "--model", model,
          "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
          "--num-gpu-blocks", str(POOL), "--no-enable-prefix-caching",
-         "--speculative-config", spec, "--cudagraph-mode", "NONE"],
+         "--max-num-batched-tokens", str(BUDGET), "--speculative-config", spec,
+         "--cudagraph-mode", "NONE", "--attention-backend", "CPU_ATTN"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
@@ -88,6 +91,7 @@ def engine_and_plan(tmp_path_factory):
 
 
 @pytest.mark.engine
+@pytest.mark.slow          # one engine + the planner: 299 s wall, 159 s CPU on a loaded 2-core VM
 @pytest.mark.timeout(600)
 def test_plan_prints_the_engines_startup_tables(engine_and_plan):
     run = engine_and_plan

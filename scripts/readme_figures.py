@@ -42,12 +42,12 @@ def shown_command(command: str) -> str:
 
 def render(report: dict, png: str | None) -> str:
     """The README block for ``report`` (a kvguard-ab JSON report)."""
+    from vllm_kvguard.tools.abchart import machine
     from vllm_kvguard.tools.abreport import format_table
 
     env, s = report.get("environment") or {}, report.get("settings") or {}
     head = (f"{shown_command(report.get('command', 'kvguard-ab'))} on vLLM "
-            f"{env.get('vllm', '?')}, torch {env.get('torch', '?')}, "
-            f"{env.get('machine', '?')} with {env.get('cpus', '?')} CPUs, "
+            f"{env.get('vllm', '?')}, torch {env.get('torch', '?')}, {machine(env)}, "
             f"{(report.get('started_at') or '?')[:10]}, {report.get('duration_s', 0):.0f} s "
             f"in all; each row is {s.get('repeat', '?')} fresh A/B process pairs, A = plugin "
             f"off, B = plugin on, rounds interleaved ABBA on the same CPU:")

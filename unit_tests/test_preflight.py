@@ -46,6 +46,8 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     # the engine's own objects, built independently of the planner's KV path
     vc = plan_config(model, max_num_seqs=256, max_model_len=2048,
                      speculative_config=dict(NGRAM3))
+    block_size = vc.cache_config.block_size
+    preflight.align_block_size(vc, "FLASH_ATTN")     # what the executor does on a GPU
     specs = preflight.kv_cache_specs(vc)
     uniq = list(dict.fromkeys(specs.values()))   # one group per distinct spec here
     kvc = kv_cache_config(uniq * 1, 4096)
@@ -64,6 +66,9 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
         # "M*M-": groups numbered as vLLM numbers them, in the order their layers appear
         kinds = [g["kind"] for g in r["groups"]]
         assert kinds[2] == "FullAttentionSpec" and len(kinds) == 3
+        # the attention page grew to hold a Mamba state, in FLASH_ATTN's multiples of 16
+        assert r["groups"][2]["block_size"] > block_size
+        assert r["groups"][2]["block_size"] % 16 == 0
         assert all(k.startswith("MambaSpec(align, nsb=3)") for k in kinds[:2])
         assert r["blocks_per_request_spec"] > sum(g["blocks_per_request_plain"]
                                                   for g in r["groups"])

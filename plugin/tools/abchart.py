@@ -45,6 +45,12 @@ def tolerance_label(tol: float) -> str:
     return f"tolerance {tol} (below it: FAIL)"
 
 
+def machine(env: dict) -> str:
+    """``x86_64, cpu, 2 CPUs``: the machine of a report's ``environment``."""
+    parts = [str(x) for x in (env.get("machine"), env.get("platform")) if x]
+    return ", ".join(parts + [f"{env.get('cpus', '?')} CPUs"])
+
+
 def chart_spec(report: dict) -> dict:
     """What the chart shows, as plain data: ``title``, ``subtitle``, ``tolerance``,
     ``legend`` (labels per panel, in drawing order) and one ``rows`` entry per scenario."""
@@ -52,10 +58,8 @@ def chart_spec(report: dict) -> dict:
     tol = s.get("tolerance", 0.97)
     unsure = abreport.checks_with(report, abstats.INCONCLUSIVE)
     verdict = abreport.verdict(report) + (f", {len(unsure)} inconclusive" if unsure else "")
-    machine = ", ".join(str(x) for x in (env.get("machine"), env.get("platform")) if x)
     title = (f"kvguard-ab {verdict} | vLLM {env.get('vllm', '?')} | "
-             f"{(report.get('started_at') or '?')[:10]} | {machine or '?'}, "
-             f"{env.get('cpus', '?')} CPUs")
+             f"{(report.get('started_at') or '?')[:10]} | {machine(env)}")
     subtitle = (f"A = plugin off, B = plugin on; {s.get('repeat', '?')} fresh A/B process "
                 f"pairs per scenario; tolerance {tol}")
     rows, statuses = [], []

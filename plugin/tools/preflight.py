@@ -141,6 +141,25 @@ def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | 
                         ) from None
 
 
+def align_block_size(vllm_config, attention_backend: str) -> None:
+    """What the executor does once the model's layers exist (``Platform.
+    update_block_size_for_backend``): a hybrid model's attention block size grows, in the
+    backend's kernel block multiples, until one page holds a Mamba state, and the Mamba
+    page is padded to it. ``attention_backend``: an ``AttentionBackendEnum`` name."""
+    if not vllm_config.model_config.is_hybrid:
+        return
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        backend = AttentionBackendEnum[attention_backend].get_class()
+    except (KeyError, ImportError) as exc:
+        raise PlanError(f"--attention-backend {attention_backend}: {type(exc).__name__} "
+                        f"{exc}; expected an attention backend vLLM knows, e.g. FLASH_ATTN "
+                        f"(CUDA) or CPU_ATTN") from None
+    Platform._align_hybrid_block_size(vllm_config, backend)
+
+
 # ------------------------------------------------------------------------------- plan
 def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
          max_num_batched_tokens: int | None = None, speculative_config: dict | None = None,
@@ -148,7 +167,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          weights_gib: float = 0.0, runner: str = "v1",
          cudagraph_mode: str = "FULL_AND_PIECEWISE",
-         enable_prefix_caching: bool | None = None) -> dict:
+         enable_prefix_caching: bool | None = None,
+         attention_backend: str = "FLASH_ATTN") -> dict:
     from vllm_kvguard.fixes import admission, capacity
     from vllm_kvguard.fixes.coverage import format_table
     from vllm_kvguard.fixes.planner import audit
@@ -179,6 +199,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         if kv_bytes <= 0:
             raise PlanError("--gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
                             "leaves no KV cache memory")
+    align_block_size(vc, attention_backend)
     kvc = kv_cache_config(vc, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
     cap = capacity.compute(vc, kvc)
     cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
@@ -260,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL",
                             "NONE"), help="NONE: what an eager engine (and vLLM on CPU) "
                                           "runs; default FULL_AND_PIECEWISE")
+    p.add_argument("--attention-backend", default="FLASH_ATTN", metavar="NAME",
+                   help="the attention backend whose kernel block sizes a hybrid model's "
+                        "block size aligns to (default FLASH_ATTN, as on a CUDA GPU; "
+                        "CPU_ATTN for vLLM on CPU)")
     p.add_argument("--json", metavar="PATH", default=None, help="write JSON here (- = stdout)")
     return p
 
@@ -289,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                           gpu_memory_utilization=a.gpu_memory_utilization,
                           weights_gib=a.weights_gib, runner=a.runner,
                           cudagraph_mode=a.cudagraph_mode,
-                          enable_prefix_caching=a.enable_prefix_caching)
+                          enable_prefix_caching=a.enable_prefix_caching,
+                          attention_backend=a.attention_backend)
         finally:
             sys.stdout = stdout
     except PlanError as exc:
