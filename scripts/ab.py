@@ -3,17 +3,36 @@
 
     python3 scripts/ab.py [kvguard-ab arguments]
 
-Builds (or reuses) the default pin's cached venv (``scripts/venvs.py``), then runs
+Builds (or reuses) the default pin's cached venv (``scripts/venvs.py``), adds the
+``chart`` extra (matplotlib, for the PNG) when it is missing, then runs
 ``python -m vllm_kvguard.tools.ab`` there with the given arguments. Standard library only.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import venvs  # noqa: E402
+
+
+#: pyproject.toml's ``chart`` extra (a unit test keeps the two equal).
+CHART = "matplotlib>=3.6"
+
+
+def ensure_chart(python: Path) -> None:
+    """Install the chart extra into the venv once; without it kvguard-ab says so and
+    writes no PNG, so a failed install only costs the chart."""
+    if subprocess.run([str(python), "-c", "import matplotlib"],
+                      capture_output=True).returncode == 0:
+        return
+    print(f"[kvguard] installing {CHART} for the chart", file=sys.stderr, flush=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", CHART])
+    if done.returncode:
+        print("[kvguard] matplotlib could not be installed: no PNG chart this run",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +41,7 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
     venvs.ensure(pin)
     python = venvs.venv_dir(pin) / "bin" / "python"
+    ensure_chart(python)
     os.execv(str(python), [str(python), "-m", "vllm_kvguard.tools.ab", *argv])
 
 

@@ -1,4 +1,5 @@
 """kvguard-ab command line: arguments fail fast, settings reach the engines, exit codes."""
+import importlib.util
 import json
 import os
 import signal
@@ -6,7 +7,7 @@ import signal
 import pytest
 
 from vllm_kvguard.testing.ab_samples import scenario, side
-from vllm_kvguard.tools import ab, abmicro, abrun
+from vllm_kvguard.tools import ab, abchart, abmicro, abrun
 from vllm_kvguard.tools.abscenarios import (MIN_AUTO_ROUNDS, SCENARIOS, scenario_envs,
                                             scenario_spec, workload_key)
 
@@ -168,10 +169,15 @@ def fake_run(mocker, tmp_path, monkeypatch):
 def test_exit_zero_when_every_check_passes(fake_run, tmp_path, capsys):
     fake_run.return_value = scenario()
     assert ab.main(["--scenario", "baseline", "--no-microbench", "--quiet"]) == 0
-    assert "verdict: PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verdict: PASS" in out
     data = json.loads((tmp_path / "kvguard-ab.json").read_text())
     assert data["ok"] and data["scenarios"][0]["name"] == "baseline"
-    assert (tmp_path / "kvguard-ab.png").read_bytes()[:4] == b"\x89PNG"
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "kvguard-ab.png").read_bytes()[:4] == b"\x89PNG"
+    else:                                    # the chart extra is not installed
+        assert f"kvguard-ab: {abchart.MISSING}" in out.splitlines()
+        assert not (tmp_path / "kvguard-ab.png").exists()
 
 
 def test_exit_one_when_b_is_slower_than_the_tolerance(fake_run, capsys):

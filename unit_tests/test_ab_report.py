@@ -1,7 +1,5 @@
-"""kvguard-ab writers: the text table, the JSON file and the pure-Python PNG chart."""
+"""kvguard-ab writers: the text table and the JSON file."""
 import json
-import struct
-import zlib
 
 from vllm_kvguard.testing.ab_samples import report, scenario, side
 from vllm_kvguard.tools import abreport
@@ -95,47 +93,3 @@ def test_json_round_trip(tmp_path):
     rep = report(scenario())
     path = abreport.write_json(rep, tmp_path / "sub" / "ab.json")
     assert json.loads(path.read_text()) == rep
-
-
-def _decode_png(data):
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert (depth, color) == (8, 2) and len(raw) == h * (1 + 3 * w)
-    pixels = {bytes(raw[y * (1 + 3 * w) + 1 + 3 * x:y * (1 + 3 * w) + 4 + 3 * x])
-              for y in range(h) for x in range(0, w, 2)}
-    return w, h, pixels
-
-
-def test_png_is_valid_and_draws_b_bars_in_blue(tmp_path):
-    path = abreport.write_png(report(scenario()), tmp_path / "ab.png")
-    w, h, pixels = _decode_png(path.read_bytes())
-    assert w >= 640 and h > 400
-    assert bytes(abreport.BLUE) in pixels and bytes(abreport.GRAY) in pixels
-    assert bytes(abreport.GREEN) in pixels       # ratio within tolerance
-
-
-def test_png_marks_a_ratio_below_tolerance_red(tmp_path):
-    sc = scenario(b=side("on", tok_s=(80.0, 80.0, 80.0)))
-    path = abreport.write_png(report(sc), tmp_path / "ab.png")
-    _, _, pixels = _decode_png(path.read_bytes())
-    assert bytes(abreport.GREEN) not in pixels
-
-
-def test_text_draws_every_glyph_and_unknown_characters_as_question_mark():
-    cv = abreport.Canvas(700, 20)
-    end = cv.text(0, 0, "".join(abreport._FONT), scale=1)
-    assert end == 6 * len(abreport._FONT)
-    assert bytes(abreport.BLACK) in bytes(cv.px)
-    a, b = abreport.Canvas(10, 10), abreport.Canvas(10, 10)
-    a.text(0, 0, "~", scale=1)
-    b.text(0, 0, "?", scale=1)
-    assert a.px == b.px

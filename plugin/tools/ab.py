@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvguard import __version__
-from vllm_kvguard.tools import abreport, abserve
+from vllm_kvguard.tools import abchart, abreport, abserve
 from vllm_kvguard.tools.abmicro import MICROBENCH, microbench
 from vllm_kvguard.tools.abrun import Progress, run_scenario, steps_for
 from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS, SERVED
@@ -294,7 +294,8 @@ def cpu_build_of_vllm() -> bool:
 def run_all(settings: dict, prog: Progress, report: dict) -> None:
     """Fill ``report`` scenario by scenario (so Ctrl-C leaves what was done)."""
     env = report["environment"]
-    env.update(python=platform.python_version(), cpus=os.cpu_count())
+    env.update(python=platform.python_version(), cpus=os.cpu_count(),
+               machine=platform.machine())
     run = run_scenario
     if settings.get("serve"):                  # the servers' vLLM is this one, not imported
         run = abserve.run_scenario
@@ -361,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kvguard-ab: interrupted before any scenario finished", flush=True)
     written = [abreport.write_json(report, args.json)]
     if not args.no_png and report["scenarios"]:
-        written.append(abreport.write_png(report, args.png))
+        png = abchart.write_png(report, args.png)
+        if png is None:
+            print(f"kvguard-ab: {abchart.MISSING}", flush=True)
+        else:
+            written.append(png)
     print(f"wrote {', '.join(str(p) for p in written)} in {report['duration_s']:.0f} s",
           flush=True)
     if report["interrupted"]:

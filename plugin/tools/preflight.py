@@ -77,21 +77,25 @@ def kv_cache_specs(vllm_config) -> dict:
     if mc.is_hybrid and types and not n_mamba:     # names vLLM's count does not know
         n_attn = sum(t in _ATTENTION_TYPES for t in types)
         n_mamba = sum(t in _MAMBA_TYPES for t in types)
+    # In the model's layer order where the config gives it: vLLM numbers the KV-cache
+    # groups in the order their layers first appear.
+    order = [("attn" if t in _ATTENTION_TYPES else "mamba") for t in types or ()
+             if t in _ATTENTION_TYPES or t in _MAMBA_TYPES]
+    if not mc.is_hybrid or (order.count("attn"), order.count("mamba")) != (n_attn, n_mamba):
+        order = ["attn"] * n_attn + ["mamba"] * n_mamba
     head = dict(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
                 head_size=mc.get_head_size(), dtype=dtype)
     window = mc.get_sliding_window()
-    specs: dict = {}
-    for i in range(n_attn):
-        specs[f"attn.{i}"] = (kci.SlidingWindowSpec(**head, sliding_window=window) if window
-                              else kci.FullAttentionSpec(**head))
+    kinds = {"attn": kci.SlidingWindowSpec(**head, sliding_window=window) if window
+             else kci.FullAttentionSpec(**head)}
     if n_mamba:
+        import inspect
+
         from vllm.model_executor.models import ModelRegistry
 
         cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
         shapes = tuple(cls.get_mamba_state_shape_from_config(vllm_config))
         dtypes = tuple(cls.get_mamba_state_dtype_from_config(vllm_config))
-        import inspect
-
         params = inspect.signature(kci.MambaSpec).parameters
         extra = dict(page_size_padded=cc.mamba_page_size_padded,
                      mamba_cache_mode=cc.mamba_cache_mode,
@@ -99,34 +103,61 @@ def kv_cache_specs(vllm_config) -> dict:
                                                         0) or 0),
                      mamba_type=getattr(cls, "mamba_type", None) or "mamba2")
         extra = {k: v for k, v in extra.items() if k in params and v is not None}
-        for j in range(n_mamba):
-            specs[f"mamba.{j}"] = kci.MambaSpec(shapes=shapes, dtypes=dtypes,
-                                                block_size=cc.mamba_block_size, **extra)
-    return specs
+        kinds["mamba"] = kci.MambaSpec(shapes=shapes, dtypes=dtypes,
+                                       block_size=cc.mamba_block_size, **extra)
+    return {f"layers.{i}.{kind}": kinds[kind] for i, kind in enumerate(order)}
 
 
 def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | None):
-    """vLLM's own ``get_kv_cache_configs`` over :func:`kv_cache_specs`."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    """The ``KVCacheConfig`` EngineCore would build over :func:`kv_cache_specs`: the same
+    calls in the same order, through the names ``vllm.v1.engine.core`` binds on each pin
+    (vLLM 0.29+ resolves a KV cache layout first; 0.33 moved ``get_kv_cache_configs`` to
+    ``kv_cache_planning`` and groups the layers before it)."""
+    from vllm.v1.engine import core
 
     specs = kv_cache_specs(vllm_config)
     if not specs:
         raise PlanError("no attention or Mamba layers found in this config.json")
-    resolve_kv_cache_layout(vllm_config, [[x.name for x in KVCacheLayout]], specs.values())
+    if hasattr(core, "resolve_kv_cache_layout"):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        core.resolve_kv_cache_layout(vllm_config, [[x.name for x in KVCacheLayout]],
+                                     list(specs.values()))
     if num_gpu_blocks is not None:
         vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
         page = max(s.page_size_bytes for s in specs.values())
         kv_bytes = (num_gpu_blocks + 1) * page * len(specs)   # enough; the override decides
+    args: list = [vllm_config, [specs], [int(kv_bytes)]]
+    if hasattr(core, "get_global_kv_cache_groups"):
+        groups = core.get_global_kv_cache_groups(vllm_config, [specs])
+        vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+        args.append(groups)
     try:
-        return get_kv_cache_configs(vllm_config, [specs], [int(kv_bytes)])[0]
+        return core.get_kv_cache_configs(*args)[0]
     except ValueError as exc:            # vLLM's own startup check: max_model_len won't fit
         first = str(exc).strip().split(". Try")[0]
         raise PlanError(f"vLLM would refuse to start with this KV cache: {first}. Lower "
                         f"--max-model-len, or raise --num-gpu-blocks / --gpu-memory-gib"
                         ) from None
+
+
+def align_block_size(vllm_config, attention_backend: str) -> None:
+    """What the executor does once the model's layers exist (``Platform.
+    update_block_size_for_backend``): a hybrid model's attention block size grows, in the
+    backend's kernel block multiples, until one page holds a Mamba state, and the Mamba
+    page is padded to it. ``attention_backend``: an ``AttentionBackendEnum`` name."""
+    if not vllm_config.model_config.is_hybrid:
+        return
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        backend = AttentionBackendEnum[attention_backend].get_class()
+    except (KeyError, ImportError) as exc:
+        raise PlanError(f"--attention-backend {attention_backend}: {type(exc).__name__} "
+                        f"{exc}; expected an attention backend vLLM knows, e.g. FLASH_ATTN "
+                        f"(CUDA) or CPU_ATTN") from None
+    Platform._align_hybrid_block_size(vllm_config, backend)
 
 
 # ------------------------------------------------------------------------------- plan
@@ -135,7 +166,9 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          compilation_config: dict | None = None, num_gpu_blocks: int | None = None,
          gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          weights_gib: float = 0.0, runner: str = "v1",
-         cudagraph_mode: str = "FULL_AND_PIECEWISE") -> dict:
+         cudagraph_mode: str = "FULL_AND_PIECEWISE",
+         enable_prefix_caching: bool | None = None,
+         attention_backend: str = "FLASH_ATTN") -> dict:
     from vllm_kvguard.fixes import admission, capacity
     from vllm_kvguard.fixes.coverage import format_table
     from vllm_kvguard.fixes.planner import audit
@@ -146,6 +179,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         kw["max_model_len"] = max_model_len
     if max_num_batched_tokens:
         kw["max_num_batched_tokens"] = max_num_batched_tokens
+    if enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = enable_prefix_caching
     if speculative_config:
         kw["speculative_config"] = dict(speculative_config)
     kw["compilation_config"] = dict(compilation_config or {})
@@ -164,6 +199,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         if kv_bytes <= 0:
             raise PlanError("--gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
                             "leaves no KV cache memory")
+    align_block_size(vc, attention_backend)
     kvc = kv_cache_config(vc, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
     cap = capacity.compute(vc, kvc)
     cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
@@ -239,8 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-gib", type=float, default=0.0,
                    help="with --gpu-memory-gib: memory not for KV (weights, activations)")
     p.add_argument("--runner", choices=("v1", "v2"), default="v1")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="as vLLM's flag (default: vLLM's choice)")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
-                   choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"))
+                   choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL",
+                            "NONE"), help="NONE: what an eager engine (and vLLM on CPU) "
+                                          "runs; default FULL_AND_PIECEWISE")
+    p.add_argument("--attention-backend", default="FLASH_ATTN", metavar="NAME",
+                   help="the attention backend whose kernel block sizes a hybrid model's "
+                        "block size aligns to (default FLASH_ATTN, as on a CUDA GPU; "
+                        "CPU_ATTN for vLLM on CPU)")
     p.add_argument("--json", metavar="PATH", default=None, help="write JSON here (- = stdout)")
     return p
 
@@ -269,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                           num_gpu_blocks=a.num_gpu_blocks, gpu_memory_gib=a.gpu_memory_gib,
                           gpu_memory_utilization=a.gpu_memory_utilization,
                           weights_gib=a.weights_gib, runner=a.runner,
-                          cudagraph_mode=a.cudagraph_mode)
+                          cudagraph_mode=a.cudagraph_mode,
+                          enable_prefix_caching=a.enable_prefix_caching,
+                          attention_backend=a.attention_backend)
         finally:
             sys.stdout = stdout
     except PlanError as exc:
