@@ -21,6 +21,7 @@ EngineCore. No certificate published yet (or ``KVGUARD_ADMISSION=off``): vLLM's 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import tempfile
@@ -28,8 +29,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from vllm_kvguard import metrics, report
-from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens, num_spec,
-                                         reserved_blocks)
+from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens,
+                                         manager_block_size, num_spec, reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome
 from vllm_kvguard.log import once
@@ -47,26 +48,63 @@ class Certificate:
     dcp: int = 1
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def group_needs(self, num_tokens: int) -> list[tuple[int, int]]:
-        """(group index, blocks) a request holds at the step that computes its first
-        ``num_tokens`` tokens, at the least (every earlier token already computed)."""
-        n = max(1, min(int(num_tokens), self.max_model_len))
+    def _at(self, m: int) -> list[tuple[int, int]]:
+        """(group index, blocks) held at the step that computes token ``m`` with every
+        earlier token computed: the least any schedule holds there."""
         out = []
         for i, spec in self.groups:
-            r = reserved_blocks(spec, n, num_lookahead_tokens=self.lookahead,
+            r = reserved_blocks(spec, m, num_lookahead_tokens=self.lookahead,
                                 max_model_len=self.max_model_len, dcp=self.dcp,
-                                num_computed_tokens=n - 1)
+                                num_computed_tokens=m - 1)
             out.append((i, 0 if r is None else r.physical))
         return out
 
-    def need(self, num_tokens: int) -> int:
-        n = max(1, min(int(num_tokens), self.max_model_len))
-        got = self._cache.get(n)
+    def _total(self, m: int) -> int:
+        got = self._cache.get(m)
         if got is None:
             if len(self._cache) > 4096:
                 self._cache.clear()
-            got = self._cache[n] = sum(b for _, b in self.group_needs(n))
+            got = self._cache[m] = sum(b for _, b in self._at(m))
         return got
+
+    def _candidates(self, n: int) -> set[int]:
+        """The steps on the way to ``n`` tokens where the holding can peak. Each group's
+        holding rises only where its block table grows (token ``m + lookahead`` opens a
+        block) or Mamba align enters a block (``m`` opens one), and a ``lcm`` of block
+        (and local-attention chunk) sizes later every group holds at least as much, until the lookahead meets
+        ``max_model_len``. So the last ``lcm`` steps before ``n``, the last ones before
+        that cap and the few after it hold the peak."""
+        sizes = [manager_block_size(spec, self.dcp) for _, spec in self.groups] or [1]
+        chunks = [getattr(spec, "attention_chunk_size", None) or 1 for _, spec in self.groups]
+        period = math.lcm(*sizes, *chunks)          # chunked local frees a chunk at a time
+        cap = self.max_model_len - self.lookahead
+        points = {n}
+        regions = [(max(1, n - period + 1), n)]
+        if n > cap:
+            regions.append((max(1, cap - period + 1), cap))
+            points.update(range(max(1, cap + 1), n + 1))
+        for lo, hi in regions:
+            if lo > hi:
+                continue
+            points.add(lo)
+            for size in sizes:
+                for rest in {(1 - self.lookahead) % size, 1 % size}:
+                    points.update(range(lo + (rest - lo) % size, hi + 1, size))
+        return points
+
+    def peak(self, num_tokens: int) -> int:
+        """The last step on the way to ``num_tokens`` computed tokens that holds the most."""
+        n = max(1, min(int(num_tokens), self.max_model_len))
+        return max(sorted(self._candidates(n), reverse=True), key=self._total)
+
+    def group_needs(self, num_tokens: int) -> list[tuple[int, int]]:
+        """(group index, blocks) a request holds at least, at the :meth:`peak` step on its
+        way to ``num_tokens`` tokens."""
+        return self._at(self.peak(num_tokens))
+
+    def need(self, num_tokens: int) -> int:
+        """The least peak holding of a request that reaches ``num_tokens`` tokens."""
+        return self._total(self.peak(num_tokens))
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a request whose sequence reaches ``num_tokens`` computed tokens can ever
@@ -76,8 +114,8 @@ class Certificate:
     @property
     def largest(self) -> int:
         """The most computed tokens a request can reach (0: not even one token fits);
-        ``max_model_len`` when the whole length fits. Binary search: every group's least
-        holding grows with the length (windowed groups stay at their window)."""
+        ``max_model_len`` when the whole length fits. Binary search: the peak holding on
+        the way to ``n`` tokens never falls as ``n`` grows."""
         if self.fits(self.max_model_len):
             return self.max_model_len
         lo, hi = 0, self.max_model_len          # fits(lo) (or lo == 0), not fits(hi)
@@ -106,11 +144,12 @@ class Certificate:
 
     def refusal(self, request_id: str, num_tokens: int) -> str:
         """The message for a request that can never fit, with its numbers."""
-        need = self.need(num_tokens)
+        need, where = self.need(num_tokens), self.peak(num_tokens)
         group, blocks = self.bounding_group(num_tokens)
         parts = ", ".join(f"group {i}: {b}" for i, b in self.group_needs(num_tokens))
+        at = f"{where} tokens" + (f" (on its way to {num_tokens})" if where != num_tokens else "")
         return (f"vllm-kvguard: request {request_id} can never fit the KV cache: at "
-                f"{num_tokens} tokens it holds at least {need} blocks ({parts}; group "
+                f"{at} it holds at least {need} blocks ({parts}; group "
                 f"{group} bounds it with {blocks}) and the pool has {self.usable} usable "
                 f"blocks in all; {self.statement()}. Lower the prompt or max_tokens, or "
                 f"give the KV cache more room (gpu_memory_utilization, "
