@@ -8,7 +8,6 @@ O(groups), and never a copy of a block list (lists only grow during the call).
 from __future__ import annotations
 
 from itertools import repeat
-from operator import attrgetter, getitem as _getitem
 
 #: Managers and coordinators whose per-request state this module knows (exact names).
 KNOWN_MANAGERS = frozenset({
@@ -20,12 +19,7 @@ KNOWN_COORDINATORS = frozenset({
     "KVCacheCoordinatorNoPrefixCache", "UnitaryKVCacheCoordinator", "HybridKVCacheCoordinator",
 })
 
-#: A request's block list in ``record`` when it has no ``req_to_blocks`` entry.
-ABSENT = ()
 _dict_get = dict.get
-_contains = set.__contains__
-_offloads = attrgetter("_pending_boundary_state_offloads")
-_new_ids = attrgetter("new_block_ids")
 
 
 class Plan:
@@ -33,33 +27,29 @@ class Plan:
 
     ``rtbs``: each group's ``req_to_blocks``; ``dicts``: per-request dicts whose entry is
     recorded (``num_cached_block``, ``_partial_hit_reqs``, Mamba align's
-    ``last_state_block_idx`` and ``_producer_partial_tail_reqs``); ``allocs``: each Mamba
-    align group's ``_allocated_block_reqs``; ``offloaders``: align managers with pending
-    boundary offloads; ``windows``: (group index, ``num_speculative_blocks``) of align
-    groups that rewrite table entries in place; ``record_ids``: managers that append to
+    ``last_state_block_idx`` and ``_producer_partial_tail_reqs``); ``align``: per Mamba
+    align group ``(group index, manager, _allocated_block_reqs, num_speculative_blocks,
+    has pending boundary offloads)``; ``record_ids``: managers that append to
     ``new_block_ids``.
     """
 
-    __slots__ = ("manager", "managers", "gids", "journal", "rtbs", "dicts", "allocs",
-                 "offloaders", "windows", "window_cuts", "record_ids", "containers",
-                 "__weakref__")
+    __slots__ = ("manager", "managers", "gids", "journal", "rtbs", "dicts", "align",
+                 "record_ids", "containers", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
         self.managers = managers
         self.gids = {id(m): getattr(m, "kv_cache_group_id", i) for i, m in enumerate(managers)}
         self.journal = journal
-        containers, dicts, allocs, offloaders, windows = [], [], [], [], []
+        containers, dicts, align = [], [], []
         for i, m in enumerate(managers):
             names = ["num_cached_block", "_partial_hit_reqs"]
             if getattr(m, "mamba_cache_mode", None) == "align":
                 names += ["last_state_block_idx", "_producer_partial_tail_reqs"]
-                allocs.append(m._allocated_block_reqs)
-                nsb = int(getattr(m, "num_speculative_blocks", 0) or 0)
-                if nsb:
-                    windows.append((i, nsb))
-                if isinstance(getattr(m, "_pending_boundary_state_offloads", None), list):
-                    offloaders.append(m)
+                align.append((i, m, m._allocated_block_reqs,
+                              int(getattr(m, "num_speculative_blocks", 0) or 0),
+                              isinstance(getattr(m, "_pending_boundary_state_offloads", None),
+                                         list)))
                 containers.append((m, "_allocated_block_reqs", m._allocated_block_reqs))
             containers.append((m, "req_to_blocks", m.req_to_blocks))
             for name in names:
@@ -69,10 +59,7 @@ class Plan:
                     containers.append((m, name, d))
         self.rtbs = tuple(m.req_to_blocks for m in managers)
         self.dicts = tuple(dicts)
-        self.allocs = tuple(allocs)
-        self.offloaders = tuple(offloaders)
-        self.windows = tuple(i for i, _ in windows)
-        self.window_cuts = tuple(slice(-nsb, None) for _, nsb in windows)
+        self.align = tuple(align)
         self.containers = tuple(containers)
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))
@@ -81,18 +68,23 @@ class Plan:
         return all(getattr(m, name, None) is obj for m, name, obj in self.containers)
 
     def record(self, rid: str) -> tuple:
-        """The request's entries before the call: (block list per group (``ABSENT``: no
-        entry), their lengths, the ``dicts`` values (None: absent), membership of each
-        ``allocs`` set, each offloader's pending count, per ``windows`` group its last
-        ``num_speculative_blocks`` table entries (the ones align mode rewrites in place),
-        ``new_block_ids`` lengths). Built by ``map`` alone: no Python frame per group."""
-        r = repeat(rid)
-        lists = list(map(_dict_get, self.rtbs, r, repeat(ABSENT)))
-        return (lists, list(map(len, lists)), list(map(_dict_get, self.dicts, r)),
-                list(map(_contains, self.allocs, r)),
-                list(map(len, map(_offloads, self.offloaders))),
-                list(map(_getitem, map(lists.__getitem__, self.windows), self.window_cuts)),
-                list(map(len, map(_new_ids, self.record_ids))))
+        """The request's entries before the call: (block list per group (None: absent),
+        their lengths (-1: absent), the ``dicts`` values (None: absent), per align group
+        (member of ``_allocated_block_reqs``, pending offload count, the last
+        ``num_speculative_blocks`` table entries: the ones align mode rewrites in place),
+        ``new_block_ids`` lengths)."""
+        lists = list(map(_dict_get, self.rtbs, repeat(rid)))
+        lens = [-1 if b is None else len(b) for b in lists]
+        vals = [d.get(rid) if d else None for d in self.dicts]     # most are often empty
+        align = ids = ()
+        if self.align:
+            align = [(rid in alloc, len(m._pending_boundary_state_offloads) if offl else 0,
+                      tuple(lists[i][max(lens[i] - nsb, 0):lens[i]]) if nsb and lens[i] > 0
+                      else ())
+                     for i, m, alloc, nsb, offl in self.align]
+        if self.record_ids:
+            ids = [len(m.new_block_ids) for m in self.record_ids]
+        return lists, lens, vals, align, ids
 
 
 def unsupported_reason(manager) -> str | None:

@@ -10,7 +10,6 @@ never hits a block whose content is not there.
 from __future__ import annotations
 
 from vllm_kvguard.fixes.journal import CACHE, MOVE, POP, TOUCH
-from vllm_kvguard.fixes.plan import ABSENT
 
 
 class RollbackFailed(Exception):
@@ -38,14 +37,14 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
     changed = any(data[0] if kind == TOUCH else data for kind, _, data in log)
 
     # Validate before changing anything.
-    lists, lens, vals, members, n_offloads, window_recs, id_lens = rec
+    lists, lens, vals, align_rec, id_lens = rec
     relocs = []
-    windows = dict(zip(plan.windows, window_recs))
+    windows = {g[0]: r[2] for g, r in zip(plan.align, align_rec)}
     for i, (rtb, blocks, n) in enumerate(zip(plan.rtbs, lists, lens)):
         cur = rtb.get(rid)
         relocated = []
         relocs.append(relocated)
-        if blocks is ABSENT:
+        if blocks is None:
             changed = changed or cur is not None
             continue
         if cur is not blocks:
@@ -85,7 +84,7 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
 
     # The request's entries.
     for rtb, blocks, n, relocated in zip(plan.rtbs, lists, lens, relocs):
-        if blocks is ABSENT:
+        if blocks is None:
             rtb.pop(rid, None)
         else:
             for j, orig in relocated:
@@ -99,13 +98,13 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
                 d.pop(rid, None)
             else:
                 d[rid] = value
-    for alloc, member in zip(plan.allocs, members):
+    for (_, m, alloc, _, has_offl), (member, n_offl, _) in zip(plan.align, align_rec):
         changed = changed or (rid in alloc) != member
         (alloc.add if member else alloc.discard)(rid)
-    for m, n_offl in zip(plan.offloaders, n_offloads):
-        offl = m._pending_boundary_state_offloads
-        changed = changed or len(offl) != n_offl
-        del offl[n_offl:]
+        if has_offl:
+            offl = m._pending_boundary_state_offloads
+            changed = changed or len(offl) != n_offl
+            del offl[n_offl:]
 
     # The pool, newest operation first.
     for kind, owner, data in reversed(log):
