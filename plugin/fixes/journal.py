@@ -92,10 +92,6 @@ class PoolJournal:
         for name in NAMES:
             self.shadows[name].unset(self.pool)
 
-    def _start(self, log) -> None:
-        if not log:
-            self.free_at_start = self.queue.num_free_blocks
-
     # -- get_new_blocks
     def _get_new_blocks_exact(self, num_blocks):
         if (log := self.log) is None:
@@ -108,8 +104,9 @@ class PoolJournal:
         return self._pop(log, args, kwargs)
 
     def _pop(self, log, args, kwargs):
-        self._start(log)
         before = self.queue.num_free_blocks
+        if not log:                     # the call's first logged operation
+            self.free_at_start = before
         try:
             blocks = self.cls.get_new_blocks(self.pool, *args, **kwargs)
         except BaseException:
@@ -131,7 +128,8 @@ class PoolJournal:
         return self._touched(log, blocks, args, kwargs)
 
     def _touched(self, log, blocks, args, kwargs):
-        self._start(log)
+        if not log:
+            self.free_at_start = self.queue.num_free_blocks
         flat = blocks
         if blocks and isinstance(blocks[0], (list, tuple)):     # older per-group form
             flat = [b for group in blocks for b in group]
@@ -150,7 +148,8 @@ class PoolJournal:
     def _cache_full_blocks_exact(self, request, blocks, num_cached_blocks, num_full_blocks,
                                  block_size, kv_cache_group_id, block_mask=None):
         if (log := self.log) is not None:
-            self._start(log)
+            if not log:
+                self.free_at_start = self.queue.num_free_blocks
             log.append((CACHE, self, blocks[num_cached_blocks:num_full_blocks]))
         return self.cls.cache_full_blocks(self.pool, request, blocks, num_cached_blocks,
                                           num_full_blocks, block_size, kv_cache_group_id,
@@ -159,7 +158,8 @@ class PoolJournal:
     def _cache_full_blocks(self, *args, **kwargs):
         if (log := self.log) is None:
             return self.cls.cache_full_blocks(self.pool, *args, **kwargs)
-        self._start(log)
+        if not log:
+            self.free_at_start = self.queue.num_free_blocks
         params = self.params["cache_full_blocks"]
         blocks, start, end = (_arg(args, kwargs, params, n)
                               for n in ("blocks", "num_cached_blocks", "num_full_blocks"))
@@ -174,7 +174,8 @@ class PoolJournal:
     def _cache_partial_block_exact5(self, request, block, num_tokens, kv_cache_group_id,
                                     block_size):
         if (log := self.log) is not None:
-            self._start(log)
+            if not log:
+                self.free_at_start = self.queue.num_free_blocks
             log.append((CACHE, self, [block]))
         return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
                                             kv_cache_group_id, block_size)
@@ -182,7 +183,8 @@ class PoolJournal:
     def _cache_partial_block_exact6(self, request, block, num_tokens, kv_cache_group_id,
                                     block_size, replace_existing_hashes=False):
         if (log := self.log) is not None:
-            self._start(log)
+            if not log:
+                self.free_at_start = self.queue.num_free_blocks
             log.append((CACHE, self, [block]))
         return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
                                             kv_cache_group_id, block_size,
@@ -191,7 +193,8 @@ class PoolJournal:
     def _cache_partial_block(self, *args, **kwargs):
         if (log := self.log) is None:
             return self.cls.cache_partial_block(self.pool, *args, **kwargs)
-        self._start(log)
+        if not log:
+            self.free_at_start = self.queue.num_free_blocks
         block = _arg(args, kwargs, self.params["cache_partial_block"], "block")
         if block is _MISSING:
             self.broken = "cache_partial_block arguments not recognised"
@@ -202,7 +205,8 @@ class PoolJournal:
     def _move_block_hashes(self, src, dst, *args, **kwargs):
         if (log := self.log) is None:
             return self.cls.move_block_hashes(self.pool, src, dst, *args, **kwargs)
-        self._start(log)
+        if not log:
+            self.free_at_start = self.queue.num_free_blocks
         result = self.cls.move_block_hashes(self.pool, src, dst, *args, **kwargs)
         log.append((MOVE, self, (src, dst)))
         return result
