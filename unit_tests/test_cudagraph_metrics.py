@@ -43,15 +43,20 @@ def test_counts_and_other_categories(registry):
     assert 'kvguard_events_total{category="rollback",reason="ValueError"} 1.0' in out
 
 
+def in_another_process(directory: str, *lines: str) -> None:
+    """Run ``lines`` in a child that inherits the snapshot directory (a worker)."""
+    code = "\n".join(("from vllm_kvguard import metrics, report",
+                      "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())",
+                      *lines))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, metrics.ENV_DIR: directory})
+
+
 def test_other_processes_are_added(registry):
     """A worker process (inherits KVGUARD_METRICS_DIR) counts; this process exports it."""
     directory = os.environ[metrics.ENV_DIR]
-    code = ("from vllm_kvguard import metrics, report\n"
-            "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
-            "report.count('cudagraph_fallback', 'non_uniform_drafts', 5)\n"
-            "metrics.changed()\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   env={**os.environ, metrics.ENV_DIR: directory})
+    in_another_process(directory, "report.count('cudagraph_fallback', 'non_uniform_drafts', 5)",
+                       "metrics.changed()")
     files = [f for f in os.listdir(directory) if f.endswith(".json")]
     assert len(files) == 1 and json.load(open(os.path.join(directory, files[0]))) == {
         "cudagraph_fallback": {"non_uniform_drafts": 5}}
@@ -63,13 +68,9 @@ def test_other_processes_are_added(registry):
 def test_gauges_are_replaced_not_added_and_summed_over_processes(registry):
     """``kvguard_waiting_requests{cause}``: each process's current value (an EngineCore
     writes ``<pid>.gauges``); the front end serves the sum."""
-    directory = os.environ[metrics.ENV_DIR]
-    code = ("from vllm_kvguard import metrics, report\n"
-            "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
-            "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})\n"
-            "metrics.flush()\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   env={**os.environ, metrics.ENV_DIR: directory})
+    in_another_process(os.environ[metrics.ENV_DIR],
+                       "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})",
+                       "metrics.flush()")
     report.set_gauge("waiting_requests", {"kv_connector": 5})
     report.set_gauge("waiting_requests", {"kv_connector": 1})          # replaced
     out = text(registry)
