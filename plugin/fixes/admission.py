@@ -95,7 +95,7 @@ class Certificate:
     def peak(self, num_tokens: int) -> int:
         """The last step on the way to ``num_tokens`` computed tokens that holds the most."""
         n = max(1, min(int(num_tokens), self.max_model_len))
-        return max(sorted(self._candidates(n), reverse=True), key=self._total)
+        return max(self._candidates(n), key=lambda m: (self._total(m), m))
 
     def group_needs(self, num_tokens: int) -> list[tuple[int, int]]:
         """(group index, blocks) a request holds at least, at the :meth:`peak` step on its
@@ -193,7 +193,10 @@ def _validation_error() -> tuple:
     return (VLLMValidationError,)
 
 
-class Refused(KvguardOutcome, *_validation_error(), ValueError):
+_VALIDATION = _validation_error()
+
+
+class Refused(KvguardOutcome, *_VALIDATION, ValueError):
     """A request that can never fit, refused before it reaches EngineCore."""
 
 
@@ -259,7 +262,7 @@ def door_check(request_id: str, prompt_len: int, max_tokens: int | None) -> None
                f"+ max_tokens {max_tokens} tokens; "
                + (f"max_tokens <= {room} would fit." if room else
                   "its prompt alone cannot fit."))
-    if len(Refused.__mro__) > 4:            # vLLM's validation error: name the parameter
+    if _VALIDATION:                         # vLLM's validation error: name the parameter
         raise Refused(message, parameter="max_tokens", value=max_tokens)
     raise Refused(message)
 
