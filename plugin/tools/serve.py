@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 HOST = "127.0.0.1"
 EVENTS_RE = re.compile(
     r'^kvguard_events_total\{category="([^"]*)",reason="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
-REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(pid (\d+)\)(.*)")
+REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(([^)]*), pid (\d+)\)(.*)")
 
 
 def free_port() -> int:
