@@ -199,6 +199,6 @@ def test_tensor_parallel_2_active_in_both_workers_and_survives_faults(pool):
     # every process's snapshot is summed on the API server's /metrics: both workers too
     active = run.gauges.get("active_processes", {})
     assert active.get("worker") == 2 and active.get("EngineCore") == 1, run.gauges
-    assert sum(active.values()) == 4, active                 # + the API server
+    assert active.get("API server") == 1 and sum(active.values()) == 4, active
     record("tp2+every=7", client=run.batch.summary(), workers=workers, active=active,
            rollbacks=run.counters.get("rollback"), startup_s=round(run.startup_s))

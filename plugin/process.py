@@ -16,6 +16,8 @@ import sys
 
 ENV_DRIVER = "KVGUARD_DRIVER_PATCHES"
 _WORKER_RE = re.compile(r"^VllmWorker-(\d+)$")
+#: loaded in a process that serves vLLM's OpenAI API (``vllm serve`` or the module itself)
+SERVER_MODULES = ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server")
 
 
 def _ray_actor() -> tuple[str, str] | None:
@@ -52,8 +54,7 @@ def role() -> str:
     if name.startswith("ApiServer"):
         return f"API server {name.rpartition('_')[2]}"
     if name == "MainProcess":
-        return ("API server" if "vllm.entrypoints.openai.api_server" in sys.modules
-                else "front end")
+        return "API server" if any(m in sys.modules for m in SERVER_MODULES) else "front end"
     return name
 
 

@@ -94,10 +94,13 @@ def test_a_worker_left_off_on_its_node_says_so(driver_env, kvguard_log):
 @pytest.mark.parametrize("name, role", [
     ("VllmWorker-1", "worker rank 1"), ("EngineCore", "EngineCore"),
     ("EngineCore_DP1", "EngineCore DP1"), ("ApiServer_2", "API server 2"),
-    ("MainProcess", "front end")])
+    ("MainProcess", "front end"), ("MainProcess", "API server")])
 def test_the_startup_line_names_role_node_and_pid(driver_env, kvguard_log, name, role):
     driver_env.setattr(multiprocessing.current_process(), "name", name)
-    driver_env.delitem(sys.modules, "vllm.entrypoints.openai.api_server", raising=False)
+    for module in process.SERVER_MODULES:
+        driver_env.delitem(sys.modules, module, raising=False)
+    if role == "API server":
+        driver_env.setitem(sys.modules, "vllm.entrypoints.cli.serve", sys)  # `vllm serve`
     activation.activate()
     line = next(m for m in kvguard_log.lines(logging.INFO) if "active in" in m)
     assert f"active in {name} ({role}, node {process.socket.gethostname()}, " \
