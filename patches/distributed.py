@@ -57,6 +57,8 @@ def _teardown():
     unregister("kvguard.worker_env")
 
 
+TARGETS = {f"{MODULE}.get_env_vars_to_copy"}
+
 PATCH = Patch(
     name=NAME,
     summary="every KVGUARD* variable travels with vLLM to its Ray workers",
