@@ -21,7 +21,8 @@ pytest.importorskip("ray", reason="ray is not installed (pip install ray==2.60.0
 
 PROBE = Path(__file__).parent / "scripts" / "ray_probe.py"
 TIMEOUT_S = 240
-# 66-111 s for the file on this busy 2-core machine (three processes import vLLM)
+# 66-111 s for the file on this busy 2-core machine (three processes import vLLM);
+# with the distributed patch left out all three tests fail (checked by hand)
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
@@ -53,7 +54,8 @@ def test_flags_travel_to_ray_workers_started_without_kvguard(probe):
     answer, _log, _tmp = probe
     assert answer["before"] == [{}, {}]              # the cluster has no KVGUARD at all
     for state in answer["after"]:
-        assert state["env"]["KVGUARD"] == "1" and state["env"]["KVGUARD_FAULTS"] == "every=7"
+        assert state["env"].get("KVGUARD") == "1", state["env"]   # copied by vLLM, with
+        assert state["env"]["KVGUARD_FAULTS"] == "every=7"         # every other flag
         assert state["patches"] == ["allocator"] and "every=7" in state["faults"]
         applied = {n for n, r in state["results"].items() if r.startswith("applied")}
         assert applied == {"allocator", "faults", "distributed"}, state["results"]

@@ -33,10 +33,11 @@ def after(wrapper):
     from vllm_kvguard.versions import vllm_version
 
     fl = activation.flags()
-    res = activation.results()
+    res = activation.results()                   # None: the plugin stayed off here
     return {"pid": _os.getpid(), "results": res,
-            "line": activation.startup_line(vllm_version(), res),
-            "mismatch": process.mismatch([n for n, r in res.items() if r.startswith("applied")]),
+            "line": res and activation.startup_line(vllm_version(), res),
+            "mismatch": res and process.mismatch([n for n, r in res.items()
+                                                  if r.startswith("applied")]),
             "faults": repr(fl.faults), "patches": list(fl.patches),
             "speaker": process.describe(), "kind": process.kind(),
             "metrics_dir": metrics.directory(),
