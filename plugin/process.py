@@ -109,5 +109,5 @@ def mismatch(patches, env=None) -> str | None:
         return None
     return (f"vllm-kvguard: this process ({describe()}) applied "
             f"{', '.join(patches) or 'no patch'} but the process that started it "
-            f"({speaker}) applied {', '.join(driver) or 'no patch'}; check the KVGUARD* "
-            f"variables on this node (a value set here wins over the driver's)")
+            f"({speaker}) applied {', '.join(driver) or 'no patch'}; compare the KVGUARD* "
+            f"variables of the two (Ray's RayExecutorV2 keeps a node's own values)")
