@@ -11,6 +11,8 @@ patch                   module
 ``cudagraph``           :mod:`vllm_kvguard.patches.cudagraph`
 ``admission``           :mod:`vllm_kvguard.patches.admission` (refusal at the door; the
                         certificate comes from ``warmup``'s startup report)
+``containment``         :mod:`vllm_kvguard.patches.containment` (a KV connector's failure
+                        ends only its request)
 ======================  =====================================================================
 
 Each module defines ``PATCH`` (a :class:`vllm_kvguard.registry.Patch`) declaring its targets,
@@ -22,7 +24,7 @@ import importlib
 
 from vllm_kvguard.flags import Flags
 
-_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission")
+_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "containment")
 
 
 def _load():
