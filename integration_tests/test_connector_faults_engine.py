@@ -1,14 +1,17 @@
 """KV connector faults injected inside a real EngineCore with a real connector (vLLM's
-``ExampleConnector``: KV saved to and loaded from local files; the second round loads
-every prompt's KV from them): vLLM alone dies; with the plugin only the faulted requests
-fail, each with an error, and every other request is token-identical to a fault-free run;
-nothing leaks and the audit stays clean."""
+``ExampleConnector``: KV saved to and loaded from local files; with prefix caching off the
+second round loads every prompt's full blocks from them): vLLM alone dies; with the plugin
+only the faulted requests fail, each with an error, and every other request is
+token-identical to a fault-free run; nothing leaks and the audit stays clean. A KV load the
+worker reports failed is recomputed by vLLM's own ``kv_load_failure_policy="recompute"``,
+token-identically."""
 import pytest
 
 from vllm_kvguard.tools.harness import run_in_subprocess
 
 SPEC = {"model": "llama", "connector": "ExampleConnector", "num_requests": 8,
-        "max_tokens": 16, "rounds": 2, "engine": {"block_size": 32}}
+        "max_tokens": 16, "rounds": 2,
+        "engine": {"block_size": 32, "enable_prefix_caching": False}}
 FINISHED = ("length", "stop")
 
 
@@ -45,3 +48,19 @@ def test_connector_faults_kill_vllm_and_the_plugin_fails_only_the_faulted_reques
     assert fixed["held_blocks"] == 0                            # nothing leaked
     print(f"{phase}: {failed} faulted requests failed, "
           f"{sum(len(r['outputs']) for r in fixed['per_round']) - failed} identical")
+
+
+@pytest.mark.engine
+@pytest.mark.slow          # two engine runs: about 90 s on 2 shared cores
+@pytest.mark.timeout(600)
+def test_a_failed_kv_load_is_recomputed_token_identically():
+    spec = {**SPEC, "connector": {"kv_connector": "ExampleConnector",
+                                  "kv_load_failure_policy": "recompute"}}
+    clean = run_in_subprocess(spec, {}, timeout=240)
+    assert clean["ok"] and clean["totals"]["completed"] == 16, clean.get("error")
+    fixed = run_in_subprocess(spec, {"KVGUARD": "1", "KVGUARD_FAULTS": "phase=load,every=3",
+                                     "KVGUARD_AUDIT": "1"}, timeout=240)
+    assert fixed["ok"] and fixed["totals"]["completed"] == 16, fixed.get("error")
+    assert fixed["faults_injected"] >= 2                       # round 2 loads 8 prompts
+    assert fixed["per_round"] == clean["per_round"]             # recomputed, identical
+    assert fixed.get("audit_violations", []) == [] and fixed["held_blocks"] == 0

@@ -6,6 +6,8 @@ Targets
     ``KVConnectorBase_V1.__init__`` -> for a scheduler-role connector, its
         ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` ask hook
         ``kvguard_inject_connector_fault`` first
+    ``Scheduler.update_from_output`` -> hook ``kvguard_inject_load_failure`` (the worker's
+        report of this step's KV loads, with some of them failed)
 Run-time changes
     ``KVConnectorBase_V1`` methods per scheduler-side connector: the faulting shadow.
 Why
@@ -47,6 +49,16 @@ def connector_init(call: HostCall):
     return result
 
 
+@hooked(NAME)
+def update_from_output(call: HostCall):
+    mro = hook().kvguard_inject_load_failure(
+        scheduler=call.instance, scheduler_output=call.arg(0, "scheduler_output"),
+        model_runner_output=call.arg(1, "model_runner_output"))
+    if mro is not None:
+        call.args, call.kwargs = (call.arg(0, "scheduler_output"), mro), {}
+    return call()
+
+
 def _faulting(connector, phase, fn):
     def faulting(request, *args, **kwargs):
         exc = hook().kvguard_inject_connector_fault(connector=connector, phase=phase,
@@ -86,7 +98,9 @@ PATCH = Patch(
     name=NAME,
     summary="test-only allocator / KV connector fault injection (KVGUARD_FAULTS)",
     targets=[Target("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", get_new_blocks),
-             Target(BASE, "KVConnectorBase_V1.__init__", connector_init)],
+             Target(BASE, "KVConnectorBase_V1.__init__", connector_init),
+             Target("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",
+                    update_from_output)],
     changes=tuple(SHADOWS.values()),
     vllm_versions=">=0.27.1,<0.34",
     upstream=(),

@@ -45,6 +45,13 @@ def kvguard_inject_connector_fault(connector, phase, request):
     ``update_state_after_alloc``) on ``request`` (test-only), or None."""
 
 
+@hookspec(firstresult=True)
+def kvguard_inject_load_failure(scheduler, scheduler_output, model_runner_output):
+    """Return ``model_runner_output`` with KV loads of this step reported failed (their
+    blocks in ``kv_connector_output.invalid_block_ids``, as a worker reports them) for
+    ``Scheduler.update_from_output`` to see (test-only), or None to leave it."""
+
+
 # --------------------------------------------------------------------------- containment
 @hookspec(firstresult=True)
 def kvguard_guard_connector_call(connector, method, fn):

@@ -135,3 +135,16 @@ def test_injected_connector_faults_kill_vllm_alone_and_are_contained_with_the_pl
     assert failed == ["bad"]        # the 2nd call of the phase: the 2nd request, "bad"
     assert not sched.requests and used_blocks(sched.kv_cache_manager) == 0
     assert report.snapshot()["fault"] == {"injected": 1}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_kv_load_is_vllms_own_policy_recompute_or_fail_that_request(policy):
+    # the injected worker report: the 2nd request loading external KV lost its last block
+    sched, reasons = run({**ON, "KVGUARD_FAULTS": "phase=load,every=2"}, matched_tokens=16,
+                         kv_load_failure_policy=policy)
+    assert report.snapshot()["fault"] == {"injected": 1}
+    assert not sched.requests and used_blocks(sched.kv_cache_manager) == 0
+    if policy == "recompute":
+        assert all("LENGTH" in reasons[r].upper() for r in IDS), reasons
+    else:
+        assert_only_bad_failed(sched, reasons)

@@ -4,7 +4,10 @@
 like vLLM's own "Cannot get N free blocks from the pool", raised before the pool changes;
 ``lookup`` / ``update`` make the scheduler-side KV connector's
 ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` raise a RuntimeError before
-the connector runs. Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call
+the connector runs; ``load`` reports a request's KV load of the step failed (the last
+block it loaded, in ``invalid_block_ids``), as a worker does, for vLLM's own
+``kv_load_failure_policy`` to handle. A call of ``load`` is a new request scheduled with
+computed tokens. Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call
 of the phase; ``rate=P,seed=S`` fails calls at random with a seeded generator. ``after=N``
 spares the first N calls, ``limit=K`` stops after K faults.
 """
@@ -21,7 +24,8 @@ from vllm_kvguard.log import once
 from vllm_kvguard.hostcall import InjectedConnectorFault, InjectedFault
 
 CONNECTOR_METHODS = {"lookup": "get_num_new_matched_tokens",
-                     "update": "update_state_after_alloc"}
+                     "update": "update_state_after_alloc",
+                     "load": "a KV load the worker reports"}
 
 
 class FaultSchedule:
@@ -75,3 +79,24 @@ class Injector:
                 f"injected: KV connector {CONNECTOR_METHODS[phase]} failed for request "
                 f"{request.request_id} (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
         return None
+
+    @hookimpl
+    def kvguard_inject_load_failure(self, scheduler, scheduler_output, model_runner_output):
+        sched = self.schedule
+        if sched.spec.phase != "load" or getattr(scheduler, "connector", None) is None:
+            return None
+        block_size = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        failed = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens > 0 and sched.should_fail():
+                failed.add(new.block_ids[0][(new.num_computed_tokens - 1) // block_size])
+                report.count("fault", "injected")
+        if not failed:
+            return None
+        import dataclasses
+
+        from vllm.v1.outputs import KVConnectorOutput
+
+        kvo = model_runner_output.kv_connector_output or KVConnectorOutput()
+        kvo = dataclasses.replace(kvo, invalid_block_ids=set(kvo.invalid_block_ids) | failed)
+        return dataclasses.replace(model_runner_output, kv_connector_output=kvo)

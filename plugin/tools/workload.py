@@ -54,7 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
     "cpus": None,              # CPU ids to pin the process to once the engine is built
-    "connector": None,         # a KV connector: "ExampleConnector" (KV files in a temp dir)
+    "connector": None,         # a KV connector: "ExampleConnector" (KV files in a temp dir),
+                               # or a dict of KVTransferConfig fields with kv_connector
 }
 
 FINISHED = ("length", "stop")
@@ -226,15 +227,15 @@ class Session:
         self.prompts = [{"prompt_token_ids": p} for p in make_prompts(self.spec)]
         return True
 
-    def _connector_config(self, name: str):
+    def _connector_config(self, connector):
         from vllm.config import KVTransferConfig
 
-        extra = {}
-        if name == "ExampleConnector":
+        fields = dict(connector) if isinstance(connector, dict) else {"kv_connector": connector}
+        extra = fields.setdefault("kv_connector_extra_config", {})
+        if fields["kv_connector"] == "ExampleConnector":
             self._storage = tempfile.mkdtemp(prefix="kvguard-kv-")
             extra["shared_storage_path"] = self._storage
-        return KVTransferConfig(kv_connector=name, kv_role="kv_both",
-                                kv_connector_extra_config=extra)
+        return KVTransferConfig(**{"kv_role": "kv_both", **fields})
 
     def generate(self) -> float | None:
         """One round: all prompts through ``LLM.generate``; its seconds, or None if dead."""
