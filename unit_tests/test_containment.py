@@ -148,3 +148,17 @@ def test_a_failed_kv_load_is_vllms_own_policy_recompute_or_fail_that_request(pol
         assert all("LENGTH" in reasons[r].upper() for r in IDS), reasons
     else:
         assert_only_bad_failed(sched, reasons)
+
+
+def test_a_failed_request_scheduled_again_before_its_end_is_not_asked_again(mocker):
+    # async scheduling: the next schedule() runs before the first step's output ends it
+    method = DeferringConnector.get_num_new_matched_tokens
+    spy = mocker.patch.object(DeferringConnector, "get_num_new_matched_tokens", autospec=True,
+                              side_effect=fail_for_bad(method))
+    activation.activate(ON)
+    sched = make_connector_scheduler(defers=0)
+    sched.add_request(make_request("bad", prompt(1), max_tokens=4))
+    sched.schedule()
+    sched.schedule()
+    assert spy.call_count == 1
+    assert report.snapshot()["contained"] == {"get_num_new_matched_tokens": 1}

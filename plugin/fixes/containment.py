@@ -51,14 +51,17 @@ class Containment:
     def __init__(self):
         self._lock = threading.Lock()
         self._pending: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._doomed: "weakref.WeakSet" = weakref.WeakSet()    # failed, not finished yet
 
     @hookimpl
     def kvguard_guard_connector_call(self, connector, method, fn):
         if method not in NEUTRAL:
             return None
-        neutral, contain = NEUTRAL[method], self.contain
+        neutral, contain, doomed = NEUTRAL[method], self.contain, self._doomed
 
         def guarded(request, *args, **kwargs):
+            if doomed and request in doomed:    # asked again before its end (async steps)
+                return neutral
             try:
                 return fn(request, *args, **kwargs)
             except Exception as error:
@@ -80,6 +83,7 @@ class Containment:
             if reason != "request_finished":      # a finishing request is ending anyway
                 with self._lock:
                     self._pending.setdefault(connector, []).append(failure)
+                    self._doomed.add(request)
         except Exception as exc:
             _internal(exc, "the KV connector's error is re-raised (vLLM's behaviour)")
             raise error from None
