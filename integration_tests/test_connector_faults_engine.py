@@ -7,7 +7,7 @@ worker reports failed is recomputed by vLLM's own ``kv_load_failure_policy="reco
 token-identically."""
 import pytest
 
-from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.harness import fault_runs, run_in_subprocess
 
 SPEC = {"model": "llama", "connector": "ExampleConnector", "num_requests": 8,
         "max_tokens": 16, "rounds": 2,
@@ -24,13 +24,9 @@ def test_connector_faults_kill_vllm_and_the_plugin_fails_only_the_faulted_reques
     clean = run_in_subprocess(SPEC, {}, timeout=240)
     assert clean["ok"] and clean["totals"]["completed"] == 16, clean.get("error")
 
-    vllm_alone = run_in_subprocess(SPEC, {"KVGUARD": "1", "KVGUARD_PATCHES": "none",
-                                          "KVGUARD_FAULTS": faults}, timeout=240)
+    vllm_alone, fixed = fault_runs(SPEC, faults)
     assert not vllm_alone.get("hung"), "vLLM alone should die, not hang"
     assert vllm_alone["engine_died"] and "injected: KV connector" in vllm_alone["error"]
-
-    fixed = run_in_subprocess(SPEC, {"KVGUARD": "1", "KVGUARD_FAULTS": faults,
-                                     "KVGUARD_AUDIT": "1"}, timeout=240)
     assert fixed["ok"] and not fixed["engine_died"], fixed.get("error")
     failed = 0
     for got, want in zip(fixed["per_round"], clean["per_round"]):
