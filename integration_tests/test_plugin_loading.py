@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.serve import REPORT_RE
 
 PROBE = Path(__file__).parent / "scripts" / "plugin_probe.py"
 ALLOCATOR_TARGETS = {"vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
@@ -32,7 +33,7 @@ def _report_lines(log: str) -> dict[str, str]:
     """{process name: startup report line} from the combined log."""
     found = {}
     for line in log.splitlines():
-        m = re.search(r"vllm-kvguard \S+ active in (\S+) \(pid (\d+)\)", line)
+        m = REPORT_RE.search(line)
         if m:
             found[m.group(1)] = line
     return found
@@ -60,7 +61,7 @@ def test_every_process_reports_and_wraps_with_flag_on(tmp_path):
     workers = [p for p in lines if "Worker" in p]
     assert "MainProcess" in lines and engine_core and workers, lines
     for line in lines.values():
-        assert "applied: allocator, warmup, cudagraph, admission; skipped: none" in line, line
+        assert "applied: allocator, warmup, cudagraph, admission, distributed; skipped: none" in line, line
     # Each process wraps the targets it loads: the scheduler's in EngineCore, the model
     # runner's in the worker; the front end loads neither.
     assert ALLOCATOR_TARGETS <= _wrapped_in_log(log, "EngineCore")

@@ -35,6 +35,7 @@ EVERY7 = ("KVGUARD_FAULTS", "every=7")
 RATE = ("KVGUARD_FAULTS", "rate=0.2,seed=3")
 AUDIT = ("KVGUARD_AUDIT", "1")
 TP2 = ("--tensor-parallel-size", "2")
+TP2_BIND = ("VLLM_CPU_OMP_THREADS_BIND", "0|1")     # one core per worker (one NUMA node here)
 LOOKUP5 = ("KVGUARD_FAULTS", "phase=lookup,every=5")
 
 
@@ -65,8 +66,8 @@ CONFIGS = [
                 expect_death=True),
     ServeConfig("llama-connector-faults", "llama", LLAMA + connector("on"),
                 ON + (LOOKUP5, AUDIT)),
-    ServeConfig("llama-tp2-faults", "llama", LLAMA + TP2,
-                ON + (EVERY7, AUDIT, ("VLLM_CPU_OMP_THREADS_BIND", "0|1"))),
+    ServeConfig("llama-tp2-off", "llama", LLAMA + TP2, (TP2_BIND,)),
+    ServeConfig("llama-tp2-faults", "llama", LLAMA + TP2, ON + (EVERY7, AUDIT, TP2_BIND)),
 ]
 
 
@@ -198,16 +199,23 @@ def test_hybrid_with_ngram_spec_decoding_under_faults(pool):
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
-@uses("llama-tp2-faults")
+@uses("llama-tp2-off", "llama-tp2-faults")
 def test_tensor_parallel_2_active_in_both_workers_and_survives_faults(pool):
-    run = served(pool, "llama-tp2-faults")
+    off, run = served(pool, "llama-tp2-off"), served(pool, "llama-tp2-faults")
     workers = sorted(p for p in run.reports if "Worker" in p)
     assert len(workers) == 2, run.reports
+    assert all(f"(worker rank {p[-1]}, node " in run.reports[p] for p in workers), run.reports
+    assert_all_ok(off)
     assert_all_ok(run)
+    assert run.batch.tokens() == off.batch.tokens()              # greedy, token-identical
     assert rollbacks(run) > 0, run.counters
     assert_audit_clean(run)
     assert run.log_has("TEST-ONLY allocator fault injection is ON")
-    record("tp2+every=7", client=run.batch.summary(), workers=workers,
+    # every process's snapshot is summed on the API server's /metrics: both workers too
+    active = run.gauges.get("active_processes", {})
+    assert active.get("worker") == 2 and active.get("EngineCore") == 1, run.gauges
+    assert active.get("API server") == 1 and sum(active.values()) == 4, active
+    record("tp2+every=7", client=run.batch.summary(), workers=workers, active=active,
            rollbacks=run.counters.get("rollback"), startup_s=round(run.startup_s))
 
 

@@ -11,6 +11,8 @@ patch                   module
 ``cudagraph``           :mod:`vllm_kvguard.patches.cudagraph`
 ``admission``           :mod:`vllm_kvguard.patches.admission` (refusal at the door; the
                         certificate comes from ``warmup``'s startup report)
+``distributed``         :mod:`vllm_kvguard.patches.distributed` (``KVGUARD*`` variables
+                        travel to Ray workers; applied whenever the plugin is on)
 ``containment``         :mod:`vllm_kvguard.patches.containment` (a KV connector's failure
                         ends only its request)
 ======================  =====================================================================
@@ -24,7 +26,8 @@ import importlib
 
 from vllm_kvguard.flags import Flags
 
-_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "containment")
+_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "distributed",
+            "containment")
 
 
 def _load():
@@ -45,6 +48,8 @@ def select_patches(flags: Flags):
         if patch.name == "faults":
             if flags.faults is not None:
                 chosen.append(patch)
+        elif patch.name == "distributed":      # carries the flags: on with the plugin
+            chosen.append(patch)
         elif patch.name in flags.patches:
             chosen.append(patch)
     return chosen

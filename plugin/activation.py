@@ -1,18 +1,16 @@
 """What the entry point does: read flags, apply the chosen patches, log one report line."""
 from __future__ import annotations
 
-import logging
 import multiprocessing
-import os
 import sys
 import threading
 
-from vllm_kvguard import __version__
+from vllm_kvguard import __version__, process
 from vllm_kvguard.flags import Flags, read_flags
 from vllm_kvguard.log import logger
 
 _lock = threading.Lock()
-_state: dict = {"flags": None, "results": None}
+_state: dict = {"flags": None, "results": None, "driver": False}
 
 
 def flags() -> Flags:
@@ -34,6 +32,7 @@ def activate(env=None) -> dict[str, str] | None:
         for err in fl.errors:
             logger.warning("vllm-kvguard: %s", err)
         if not fl.enabled:
+            _compare_with_driver([])
             return None
         _state["flags"] = fl
         from vllm_kvguard.patches import select_patches
@@ -52,15 +51,29 @@ def activate(env=None) -> dict[str, str] | None:
         if any(r.startswith("applied") for r in res.values()):
             _export_metrics()
         logger.info("%s", startup_line(version, res))
+        _compare_with_driver([n for n, r in res.items() if r.startswith("applied")])
         return res
+
+
+def _compare_with_driver(applied: list[str]) -> None:
+    """The first process to activate publishes its patches; the others compare (one
+    warning when they differ: a worker on a node whose KVGUARD* variables differ)."""
+    try:
+        if applied and process.publish(applied):
+            _state["driver"] = True
+        elif (msg := process.mismatch(applied)) is not None:
+            logger.warning("%s", msg)
+    except Exception as exc:  # fail open: the comparison is a diagnosis only
+        logger.warning("vllm-kvguard: driver comparison off (%s: %s)", type(exc).__name__, exc)
 
 
 def _export_metrics() -> None:
     """Counters of every patch on vLLM's own ``/metrics`` (vllm_kvguard.metrics)."""
     try:
-        from vllm_kvguard import metrics
+        from vllm_kvguard import metrics, report
 
         metrics.setup()
+        report.set_gauge("active_processes", {process.kind(): 1})
     except Exception as exc:  # fail open: metrics are a view, never a reason to stop
         logger.warning("vllm-kvguard: metrics export off (%s: %s)", type(exc).__name__, exc)
 
@@ -111,7 +124,8 @@ def startup_line(version, res: dict[str, str]) -> str:
     skipped = [f"{n} ({r[len('skipped: '):]})" for n, r in res.items()
                if not r.startswith("applied")]
     proc = multiprocessing.current_process().name
-    return (f"vllm-kvguard {__version__} active in {proc} (pid {os.getpid()}), vLLM {version}: "
+    return (f"vllm-kvguard {__version__} active in {proc} ({process.describe()}), "
+            f"vLLM {version}: "
             f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}; "
             f"{len(wrapped_targets())} targets wrapped, {pending_targets()} more when vLLM "
             f"loads their module; {declared_changes()}")
@@ -165,5 +179,6 @@ def deactivate() -> None:
             patch.revert()
         if "vllm_kvguard.metrics" in sys.modules:
             sys.modules["vllm_kvguard.metrics"].teardown()
-        _state["flags"] = None
-        _state["results"] = None
+        if _state["driver"]:
+            process.unpublish()
+        _state.update(flags=None, results=None, driver=False)

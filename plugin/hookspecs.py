@@ -82,6 +82,14 @@ def kvguard_admit(request):
     Ours: the admission certificate (:mod:`vllm_kvguard.fixes.admission`)."""
 
 
+# --------------------------------------------------------------------------- distributed
+@hookspec
+def kvguard_worker_env_vars(environ):
+    """Names of variables in ``environ`` (the driver's) that vLLM must copy to its Ray
+    workers besides its own prefixes (an iterable each; the union is used). Ours: every
+    ``KVGUARD*`` variable (:mod:`vllm_kvguard.fixes.worker_env`)."""
+
+
 # --------------------------------------------------------------------------- estimation
 @hookspec(firstresult=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,

@@ -10,6 +10,8 @@ the same registry. :func:`setup` registers one collector there (no HTTP server o
     every other :func:`vllm_kvguard.report.count` category
 ``kvguard_waiting_requests{cause=...}`` (a gauge; likewise any :func:`report.set_gauge`)
     requests the liveness guard sees waiting, not failed, by cause
+``kvguard_active_processes{role=...}`` (a gauge)
+    processes with the plugin active, by role (``worker``: one per TP/PP rank)
 
 Counts happen where vLLM runs the code (EngineCore, workers); ``/metrics`` is served by the
 API server process. Each process that counts writes its :func:`report.snapshot` to
@@ -17,7 +19,11 @@ API server process. Each process that counts writes its :func:`report.snapshot` 
 timer, and at exit); the directory is created by the first process that activates the
 plugin and inherited by the processes it starts (an internal variable, like vLLM's own
 ``PROMETHEUS_MULTIPROC_DIR``). At scrape time the collector adds the other processes'
-files to its own live counters.
+files to its own live counters; a gauge file of a process that is gone is left out.
+
+The creator removes the directory at exit. A creator that is killed (SIGKILL, a Ray
+worker ended without exit handlers) cannot: the next process that creates one removes
+every ``kvguard-metrics-<pid>-*`` directory of the temp dir whose ``<pid>`` is gone.
 
 Limit: with ``--api-server-count`` > 1 vLLM serves only prometheus_client's multiprocess
 files, which this collector does not write; the counters are then in the logs only.
@@ -38,6 +44,7 @@ FLUSH_INTERVAL_S = 1.0
 FALLBACK_METRIC = "kvguard_cudagraph_fallbacks"
 EVENTS_METRIC = "kvguard_events"
 GAUGE_SUFFIX = ".gauges"
+PREFIX = "kvguard-metrics-"
 
 _lock = threading.Lock()
 _state: dict = {"dir": None, "created": False, "collector": None, "registry": None,
@@ -89,7 +96,7 @@ class KvguardCollector:
         return families
 
 
-GAUGE_LABELS = {"waiting_requests": "cause"}
+GAUGE_LABELS = {"waiting_requests": "cause", "active_processes": "role"}
 
 
 def setup(registry=None) -> None:
@@ -99,7 +106,8 @@ def setup(registry=None) -> None:
             return
         directory = os.environ.get(ENV_DIR)
         if not directory or not os.path.isdir(directory):
-            directory = tempfile.mkdtemp(prefix=f"kvguard-metrics-{os.getpid()}-")
+            sweep_stale()
+            directory = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
             os.environ[ENV_DIR] = directory
             _state["created"] = True
         _state["dir"] = directory
@@ -117,6 +125,41 @@ def setup(registry=None) -> None:
     from vllm_kvguard import report
 
     report.on_change(changed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:              # another user's process: alive
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def sweep_stale(parent: str | None = None) -> list[str]:
+    """Remove snapshot directories whose creator is gone; return their paths."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(PREFIX):].partition("-")[0]
+        if not name.startswith(PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def directory() -> str | None:
@@ -220,6 +263,9 @@ def _merged(suffix: str, own_data: dict) -> dict[str, dict[str, int]]:
         for name in names:
             if not name.endswith(suffix) or name == own:
                 continue
+            pid = name[:-len(suffix)]
+            if suffix == GAUGE_SUFFIX and pid.isdigit() and not _alive(int(pid)):
+                continue                 # a current value of a process that is gone
             try:
                 with open(os.path.join(directory, name)) as f:
                     snap = json.load(f)

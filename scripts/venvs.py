@@ -279,12 +279,8 @@ def _locked(pin: Pin):
 
 
 def _pyproject_digest(repo: Path) -> str:
-    """What an editable install depends on: pyproject.toml and the C accelerator's source
-    (built into the checkout by the install)."""
-    h = hashlib.sha256((repo / "pyproject.toml").read_bytes())
-    for source in sorted((repo / "plugin").glob("*.c")):
-        h.update(source.name.encode() + source.read_bytes())
-    return h.hexdigest()[:16]
+    """What an editable install depends on: pyproject.toml (entry points, package map)."""
+    return hashlib.sha256((repo / "pyproject.toml").read_bytes()).hexdigest()[:16]
 
 
 def _install_repo(pin: Pin, path: Path, repo: Path, run: _Runner) -> bool:
@@ -305,9 +301,9 @@ def ensure(pin: Pin, repo: Path = REPO, rebuild: bool = False, verbose: bool = F
 
     Returns ``{"path", "python", "built", "seconds", "steps", "log"}``; raises
     :class:`InstallError` naming the failed step and the log file. ``with_repo=False``
-    leaves out the editable install of ``repo`` (:func:`install_repo`): it builds the C
-    accelerator into the checkout, which must not happen while another pin's tests have
-    that file loaded (``scripts/matrix.py --build-ahead`` builds venvs during tests).
+    leaves out the editable install of ``repo`` (:func:`install_repo`, done just before the
+    pin's tests): ``scripts/matrix.py --build-ahead`` builds venvs while another pin's tests
+    run from the same checkout, which an editable build writes into.
     """
     path = venv_dir(pin)
     log = venv_root() / f"{pin.name}.log"

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes import graph_owners  # noqa: E402
 from vllm_kvguard.fixes.fallbacks import CATEGORY  # noqa: E402
-from vllm_kvguard.patches import BY_NAME, cudagraph  # noqa: E402
+from vllm_kvguard.patches import BY_NAME, cudagraph, distributed  # noqa: E402
 from vllm_kvguard.tools import plan as planning  # noqa: E402
 from vllm_kvguard.versions import vllm_version  # noqa: E402
 
@@ -111,7 +111,7 @@ def test_inventory_lists_every_change_and_revert_undoes_it():
     for key, (lst, ids) in before.items():
         assert after[key][0] is lst and after[key][1] == ids, key
     assert not any(attr in vars(v1) for attr in cudagraph.PLAN_RUNNER_ATTRS)
-    assert activation.wrapped_targets() == []
+    assert set(activation.wrapped_targets()) <= distributed.TARGETS   # always on
 
 
 def test_a_dispatch_someone_else_replaced_is_left_alone(kvguard_log):

@@ -1,6 +1,7 @@
 """Prometheus export: the collector in a prometheus_client registry, across processes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,6 +53,22 @@ def in_another_process(directory: str, *lines: str) -> None:
                    env={**os.environ, metrics.ENV_DIR: directory})
 
 
+@contextlib.contextmanager
+def alive_in_another_process(directory: str, *lines: str):
+    """Like :func:`in_another_process`, the child staying alive inside the ``with``."""
+    code = "\n".join(("from vllm_kvguard import metrics, report",
+                      "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())",
+                      *lines, "print('ready', flush=True)", "input()"))
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, metrics.ENV_DIR: directory})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        yield child
+    finally:
+        child.communicate(input="\n", timeout=60)
+
+
 def test_other_processes_are_added(registry):
     """A worker process (inherits KVGUARD_METRICS_DIR) counts; this process exports it."""
     directory = os.environ[metrics.ENV_DIR]
@@ -68,12 +85,13 @@ def test_other_processes_are_added(registry):
 def test_gauges_are_replaced_not_added_and_summed_over_processes(registry):
     """``kvguard_waiting_requests{cause}``: each process's current value (an EngineCore
     writes ``<pid>.gauges``); the front end serves the sum."""
-    in_another_process(os.environ[metrics.ENV_DIR],
-                       "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})",
-                       "metrics.flush()")
-    report.set_gauge("waiting_requests", {"kv_connector": 5})
-    report.set_gauge("waiting_requests", {"kv_connector": 1})          # replaced
-    out = text(registry)
+    with alive_in_another_process(
+            os.environ[metrics.ENV_DIR],
+            "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})",
+            "metrics.flush()"):
+        report.set_gauge("waiting_requests", {"kv_connector": 5})
+        report.set_gauge("waiting_requests", {"kv_connector": 1})      # replaced
+        out = text(registry)
     assert "# TYPE kvguard_waiting_requests gauge" in out
     assert 'kvguard_waiting_requests{cause="kv_connector"} 3.0' in out
     assert 'kvguard_waiting_requests{cause="grammar"} 0.0' in out
@@ -144,3 +162,48 @@ def test_model_runner_v2_carries_cudagraph_stats():
     record_defect("cudagraph", "vllm#52728", present="cudagraph_stats" not in v2_fields,
                   detail="MRV2 ExecuteModelState fields: " + ", ".join(v2_fields))
     assert "cudagraph_stats" in v1.ExecuteModelState._fields
+
+
+def test_a_killed_creators_directory_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    """A creator ended by SIGKILL (a Ray worker: no exit handlers) leaves its directory;
+    the next process that creates one removes it. Live creators' directories stay."""
+    import signal
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(metrics.ENV_DIR, raising=False)
+    code = ("from vllm_kvguard import metrics, report\n"
+            "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
+            "report.count('rollback', 'ValueError'); metrics.flush()\n"
+            "print(metrics.directory(), flush=True); input()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**{k: v for k, v in os.environ.items() if k != metrics.ENV_DIR},
+                                  "TMPDIR": str(tmp_path)})
+    try:
+        stale = child.stdout.readline().strip()
+        live = tempfile.mkdtemp(prefix=f"{metrics.PREFIX}{os.getppid()}-")  # alive: our parent
+        assert os.path.isdir(stale) and os.listdir(stale)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert os.path.isdir(stale)                    # no exit handler ran
+    reg = prometheus_client.CollectorRegistry()
+    metrics.setup(registry=reg)
+    try:
+        assert not os.path.exists(stale) and os.path.isdir(live)
+        assert os.path.dirname(metrics.directory()) == str(tmp_path)
+    finally:
+        metrics.teardown()
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(live)]
+
+
+def test_gauges_of_a_process_that_is_gone_are_left_out(registry):
+    directory = os.environ[metrics.ENV_DIR]
+    with alive_in_another_process(directory, "report.set_gauge('active_processes', "
+                                  "{'worker': 1})", "metrics.flush()"):
+        assert metrics.gauge_totals() == {"active_processes": {"worker": 1}}
+    assert metrics.gauge_totals() == {}            # its writer is gone: not current
+    report.set_gauge("active_processes", {"EngineCore": 1})
+    assert metrics.gauge_totals() == {"active_processes": {"EngineCore": 1}}

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from vllm_kvguard import activation
-from vllm_kvguard.patches import ALL_PATCHES, BY_NAME
+from vllm_kvguard.patches import ALL_PATCHES, BY_NAME, distributed
 from vllm_kvguard.registry import is_wrapped, resolve
 from vllm_kvguard.versions import vllm_version
 
@@ -97,7 +97,7 @@ def test_removed_target_patch_is_skipped_with_a_log_line(allocate_slots_removed,
     # all or nothing: the target that still exists was not left wrapped either
     assert not is_wrapped(vars(Scheduler)["schedule"])
     assert not BY_NAME["allocator"].applied
-    assert activation.wrapped_targets() == []
+    assert set(activation.wrapped_targets()) <= distributed.TARGETS   # always on
 
 
 def test_other_patches_still_apply_when_one_drifted(allocate_slots_removed):

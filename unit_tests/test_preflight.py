@@ -114,3 +114,37 @@ def test_plan_states_the_largest_admissible_request(tmp_path):
                                num_gpu_blocks=2048 // bsz)
         assert tight["largest_admissible_tokens"] == 2048 - bsz
         assert any("a max_model_len request can never fit" in p for p in tight["problems"])
+
+
+def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
+    """V2 warmup: vLLM's own warmup function, run over the planner's configs, warms as many
+    dummy requests as the pool holds; the plan names the batch sizes left unwarmed and the
+    pool that warms them all, and that pool (not one block less) leaves none."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.v1.worker.gpu.warmup")
+    import dataclasses
+
+    from vllm_kvguard.testing.kv_fixtures import kv_cache_config
+    from vllm_kvguard.tools import warmup_check
+    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools.tiny_models import write_model
+
+    model = write_model("llama", tmp_path / "llama")
+    r = preflight.plan(model, max_num_seqs=64, max_model_len=256, num_gpu_blocks=40,
+                       runner="v2")
+    w = r["warmup"]
+    # one block per dummy request (5 tokens, blocks of 16 or more): 39 beside the null block
+    assert (w["vllm_requests"], w["vllm_in_bounds"], w["kvguard_requests"]) == (39, True, 39)
+    assert w["skipped_shapes"] == [40, 64] and w["requests_for_all"] == 64
+    assert any("batches of 40-64 requests are not warmed" in x for x in r["warmup_lines"])
+    assert any(p.startswith("V2 warmup: batches of 40-64") and
+               f"--num-gpu-blocks >= {w['blocks_for_all']}" in p for p in r["problems"])
+    vc = plan_config(model, max_num_seqs=64, max_model_len=256)
+    kvc = kv_cache_config(list(dict.fromkeys(preflight.kv_cache_specs(vc).values())), 40)
+    enough = dataclasses.replace(kvc, num_blocks=w["blocks_for_all"])
+    assert warmup_check.feasibility(vc, enough)["skipped_shapes"] == []
+    short = dataclasses.replace(kvc, num_blocks=w["blocks_for_all"] - 1)
+    assert warmup_check.feasibility(vc, short)["skipped_shapes"] == [64, 64]
+    v1 = warmup_check.feasibility(vc, kvc, "v1")
+    assert warmup_check.problem(v1) is None and "no warmup shape is skipped" in \
+        warmup_check.format_lines(v1)[0]

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for d in ("plugin", "patches") for p in (ROOT / d).rglob("*.py")
                  if not {"tools", "testing"} & set(p.relative_to(ROOT).parts))
 #: Private names of Python itself and of libraries other than vLLM.
-NOT_VLLM = {"_getframe", "_asdict", "_replace", "_fields", "_self_wrapper", "_exit"}
+NOT_VLLM = {"_getframe", "_asdict", "_replace", "_fields", "_self_wrapper", "_exit",
+            "_ray_actor_creation_function_descriptor"}    # Ray's: an actor's class name
 
 
 def _names(tree) -> tuple[set[str], set[str]]:

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_kvguard import activation, manager
 from vllm_kvguard.hookspecs import hookimpl
-from vllm_kvguard.patches import BY_NAME
+from vllm_kvguard.patches import BY_NAME, distributed
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.registry import (ContainerItem, InstanceAttr, ModuleGlobal, Patch, Private,
                                    Target, is_wrapped)
@@ -47,14 +47,15 @@ def test_apply_is_idempotent_and_revert_restores_originals():
     orig_alloc = _raw(KVCacheManager, "allocate_slots")
     orig_sched = _raw(Scheduler, "schedule")
     first = activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
-    assert first == {"allocator": "applied"}
+    assert first["distributed"].startswith("applied")        # always on: carries the flags
+    assert {k: v for k, v in first.items() if k != "distributed"} == {"allocator": "applied"}
     wrapper = _raw(KVCacheManager, "allocate_slots")
     assert is_wrapped(wrapper) and wrapper.__wrapped__ is orig_alloc
     # A second activation, and a second apply() of the same patch, change nothing.
     assert activation.activate({**ON, "KVGUARD_PATCHES": "allocator"}) is first
     assert BY_NAME["allocator"].apply() == []
     assert _raw(KVCacheManager, "allocate_slots") is wrapper
-    assert sorted(activation.wrapped_targets()) == [
+    assert sorted(set(activation.wrapped_targets()) - distributed.TARGETS) == [
         "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
         "vllm.v1.core.sched.scheduler.Scheduler.schedule"]
     activation.deactivate()
@@ -99,6 +100,7 @@ def test_force_applies_out_of_range_patch(monkeypatch):
 
 @pytest.mark.requires_patch("allocator")
 def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
+    import vllm.ray.ray_env  # noqa: F401
     import vllm.v1.core.kv_cache_manager  # noqa: F401  (loaded, so wrapped at once)
     import vllm.v1.core.sched.scheduler  # noqa: F401
 
@@ -106,7 +108,8 @@ def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
     lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
     assert len(lines) == 1
     assert "vLLM 0." in lines[0] and "applied: allocator" in lines[0]
-    assert "2 targets wrapped, 0 more when vLLM loads their module" in lines[0]
+    assert "applied: allocator, distributed; skipped: none" in lines[0]
+    assert "3 targets wrapped, 0 more when vLLM loads their module" in lines[0]
 
 
 def test_register_never_raises(monkeypatch, kvguard_log):
@@ -145,7 +148,7 @@ def block_pool():
 
 def test_exception_in_wrapper_leaves_original_behaviour(block_pool, kvguard_log):
     res = activation.activate({**ON, "KVGUARD_PATCHES": "none", "KVGUARD_FAULTS": "every=1000"})
-    assert res == {"faults": "applied"}
+    assert {k: v for k, v in res.items() if k != "distributed"} == {"faults": "applied"}
     bad = _RaisingFaultHook()
     manager.register(bad, "test.raising")
     try:

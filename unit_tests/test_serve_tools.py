@@ -35,6 +35,23 @@ def test_parse_events_reads_kvguard_events_total():
                                         "audit": {"steps": 76}}
 
 
+def test_parse_gauges_reads_the_plugins_gauges_only():
+    from vllm_kvguard import metrics, report
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    reg = prometheus_client.CollectorRegistry()
+    metrics.setup(registry=reg)
+    try:
+        report.count("rollback", "InjectedFault", 3)
+        report.count("cudagraph_fallback", "lora")
+        report.set_gauge("active_processes", {"worker": 2, "EngineCore": 1})
+        text = prometheus_client.generate_latest(reg).decode()
+    finally:
+        metrics.teardown()
+    assert serve.parse_gauges(text) == {"active_processes": {"worker": 2, "EngineCore": 1}}
+    assert serve.parse_events(text) == {"rollback": {"InjectedFault": 3}}
+
+
 def test_classify_names_what_the_client_saw():
     import httpx
     import openai

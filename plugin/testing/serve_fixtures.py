@@ -20,7 +20,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from vllm_kvguard.tools.serve import Batch, Server, complete_all
+from vllm_kvguard.tools.serve import Batch, Server, complete_all, parse_events, parse_gauges
 from vllm_kvguard.tools.tiny_models import write_model
 from vllm_kvguard.tools.workload import make_prompts
 
@@ -62,6 +62,7 @@ class ServeRun:
     startup_s: float | None = None
     batch: Batch | None = None
     counters: dict = field(default_factory=dict)
+    gauges: dict = field(default_factory=dict)   # kvguard_<gauge>{label} summed over processes
     reports: dict = field(default_factory=dict)  # process -> vllm-kvguard startup line
     alive_after: bool | None = None              # server still serving after the batch
     exit_code: int | None = None
@@ -139,7 +140,8 @@ class ServePool:
             run.alive_after = server.alive
             if run.alive_after:
                 try:
-                    run.counters = server.kvguard_counters()
+                    text = server.settled_metrics_text()
+                    run.counters, run.gauges = parse_events(text), parse_gauges(text)
                 except Exception as exc:
                     run.error = f"/metrics: {type(exc).__name__}: {exc}"
         except Exception as exc:

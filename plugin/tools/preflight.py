@@ -13,6 +13,8 @@
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
   covers it (:mod:`vllm_kvguard.fixes.coverage`, sized as on a CUDA GPU by
   :func:`vllm_kvguard.tools.plan.plan_config`);
+* warmup feasibility: the V2 warmup shapes the pool would leave unwarmed
+  (:mod:`vllm_kvguard.tools.warmup_check`);
 * one verdict line. ``--json PATH`` (``-`` for stdout) writes the same as JSON.
 
 vLLM's own log lines go to stderr. KV specs are derived from the config as vLLM's layers
@@ -172,6 +174,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     from vllm_kvguard.fixes import admission, capacity
     from vllm_kvguard.fixes.coverage import format_table
     from vllm_kvguard.fixes.planner import audit
+    from vllm_kvguard.tools import warmup_check
     from vllm_kvguard.tools.plan import plan_config, plan_owner
 
     kw: dict = dict(max_num_seqs=max_num_seqs)
@@ -217,6 +220,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     for r in gaps:
         problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
                         f"{r.gap_mode}; fix: {r.fix}")
+    warmup = warmup_check.feasibility(vc, kvc, runner)
+    problems += [p for p in [warmup_check.problem(warmup)] if p]
     verdict = "OK" if not problems else "ACTION NEEDED"
     return {
         "model": model, "architecture": list(vc.model_config.architectures),
@@ -240,12 +245,14 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
                           fix=r.fix or None, fix_setting=r.fix_setting or None)
                      for r in cov.rows],
         "coverage_table": format_table(cov),
+        "warmup": warmup, "warmup_lines": warmup_check.format_lines(warmup),
         "problems": problems, "verdict": verdict,
     }
 
 
 def format_plan(result: dict) -> str:
-    out = [*result["capacity_lines"], "", result["coverage_table"], ""]
+    out = [*result["capacity_lines"], "", result["coverage_table"], "",
+           *result["warmup_lines"], ""]
     out.append(f"verdict: {result['verdict']}" + (
         "" if not result["problems"] else " - " + "; ".join(result["problems"])))
     return "\n".join(out)

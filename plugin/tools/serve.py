@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 HOST = "127.0.0.1"
 EVENTS_RE = re.compile(
     r'^kvguard_events_total\{category="([^"]*)",reason="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
-REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(pid (\d+)\)(.*)")
+GAUGE_RE = re.compile(r'^kvguard_(\w+)\{\w+="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
+REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(([^)]*), pid (\d+)\)(.*)")
 
 
 def free_port() -> int:
@@ -178,11 +179,24 @@ class Server:
     def kvguard_counters(self, settle_s: float = 1.5) -> dict[str, dict[str, int]]:
         """``kvguard_events_total`` from ``/metrics`` as ``{category: {reason: n}}``.
         EngineCore publishes its counters at most once a second: wait ``settle_s`` first."""
+        return parse_events(self.settled_metrics_text(settle_s))
+
+    def settled_metrics_text(self, settle_s: float = 1.5) -> str:
+        """``/metrics`` once every process's snapshot (at most once a second) is in."""
         time.sleep(settle_s)
-        return parse_events(self.metrics_text())
+        return self.metrics_text()
 
     def model_id(self) -> str:
         return self.model
+
+
+def parse_gauges(text: str) -> dict[str, dict[str, int]]:
+    """The plugin's gauges (``kvguard_<name>{<label>="..."} n``, not the counters)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, label, n in GAUGE_RE.findall(text):
+        if not name.endswith(("_total", "_created")):
+            out.setdefault(name, {})[label] = int(float(n))
+    return out
 
 
 def parse_events(text: str) -> dict[str, dict[str, int]]:
