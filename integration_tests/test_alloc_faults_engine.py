@@ -3,7 +3,7 @@ test-only injector): vLLM alone dies; with the allocator fix every request compl
 greedy outputs are token-identical to a fault-free run and the audit stays clean."""
 import pytest
 
-from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.harness import fault_runs, run_in_subprocess
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 2}
@@ -29,13 +29,9 @@ def test_faults_kill_vllm_and_the_fix_completes_every_request_identically(case):
     clean = run_in_subprocess(spec, {}, timeout=240)
     assert clean["ok"] and clean["completed"] == 8, clean.get("error")
 
-    vllm_alone = run_in_subprocess(spec, {"KVGUARD": "1", "KVGUARD_PATCHES": "none",
-                                          "KVGUARD_FAULTS": FAULTS}, timeout=240)
+    vllm_alone, fixed = fault_runs(spec, FAULTS)
     assert not vllm_alone.get("hung"), "vLLM alone should die, not hang"
     assert vllm_alone["engine_died"] and "injected" in vllm_alone["error"]
-
-    fixed = run_in_subprocess(spec, {"KVGUARD": "1", "KVGUARD_FAULTS": FAULTS,
-                                     "KVGUARD_AUDIT": "1"}, timeout=240)
     assert fixed["ok"] and not fixed["engine_died"], fixed.get("error")
     assert fixed["completed"] == 8 and fixed["failed"] == 0 and fixed["aborted"] == 0
     assert fixed["outputs"] == clean["outputs"]                 # greedy, token-identical

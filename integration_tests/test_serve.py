@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -35,6 +36,15 @@ RATE = ("KVGUARD_FAULTS", "rate=0.2,seed=3")
 AUDIT = ("KVGUARD_AUDIT", "1")
 TP2 = ("--tensor-parallel-size", "2")
 TP2_BIND = ("VLLM_CPU_OMP_THREADS_BIND", "0|1")     # one core per worker (one NUMA node here)
+LOOKUP5 = ("KVGUARD_FAULTS", "phase=lookup,every=5")
+
+
+def connector(name: str) -> tuple[str, ...]:
+    """vLLM's ExampleConnector, KV files in a directory of this server run's own."""
+    storage = os.path.join(tempfile.gettempdir(), f"kvguard-serve-kv-{os.getpid()}-{name}")
+    return ("--kv-transfer-config", json.dumps({
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": storage}}))
 
 CONFIGS = [
     ServeConfig("llama-off", "llama", LLAMA),
@@ -51,6 +61,11 @@ CONFIGS = [
                 prompt_len=40, cpu_conv_padding=True),
     ServeConfig("nemotron-ngram-faults", "nemotron_h", NEMOTRON_NGRAM,
                 ON + (EVERY7, AUDIT), num_requests=16, prompt_len=40, cpu_conv_padding=True),
+    ServeConfig("llama-connector-faults-fixes-off", "llama",
+                LLAMA + connector("fixes-off"), ON + (("KVGUARD_PATCHES", "none"), LOOKUP5),
+                expect_death=True),
+    ServeConfig("llama-connector-faults", "llama", LLAMA + connector("on"),
+                ON + (LOOKUP5, AUDIT)),
     ServeConfig("llama-tp2-off", "llama", LLAMA + TP2, (TP2_BIND,)),
     ServeConfig("llama-tp2-faults", "llama", LLAMA + TP2, ON + (EVERY7, AUDIT, TP2_BIND)),
 ]
@@ -202,3 +217,21 @@ def test_tensor_parallel_2_active_in_both_workers_and_survives_faults(pool):
     assert active.get("API server") == 1 and sum(active.values()) == 4, active
     record("tp2+every=7", client=run.batch.summary(), workers=workers, active=active,
            rollbacks=run.counters.get("rollback"), startup_s=round(run.startup_s))
+
+
+@pytest.mark.slow          # the in-process connector-fault test covers it in the default run
+@pytest.mark.timeout(TIMEOUT_S)
+@uses("llama-off", "llama-connector-faults-fixes-off", "llama-connector-faults")
+def test_connector_faults_fail_only_their_requests_with_http_500(pool):
+    off, dead = served(pool, "llama-off"), served(pool, "llama-connector-faults-fixes-off")
+    assert dead.log_has("injected: KV connector") and not dead.alive_after
+    assert dead.batch.counts().get("ok", 0) < len(dead.batch.outcomes)
+    run = served(pool, "llama-connector-faults")
+    counts = run.batch.counts()
+    assert set(counts) == {"ok", "http 500"} and run.alive_after, counts
+    for got, want in zip(run.batch.outcomes, off.batch.outcomes):
+        assert got.kind == "http 500" or got.token_ids == want.token_ids
+    assert run.counters["contained"] == {"get_num_new_matched_tokens": counts["http 500"]}
+    assert_audit_clean(run)
+    record("llama-connector-faults", client=run.batch.summary(), dead=dead.batch.summary(),
+           contained=run.counters.get("contained"), startup_s=round(run.startup_s))

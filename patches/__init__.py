@@ -13,6 +13,8 @@ patch                   module
                         certificate comes from ``warmup``'s startup report)
 ``distributed``         :mod:`vllm_kvguard.patches.distributed` (``KVGUARD*`` variables
                         travel to Ray workers; applied whenever the plugin is on)
+``containment``         :mod:`vllm_kvguard.patches.containment` (a KV connector's failure
+                        ends only its request)
 ======================  =====================================================================
 
 Each module defines ``PATCH`` (a :class:`vllm_kvguard.registry.Patch`) declaring its targets,
@@ -24,7 +26,8 @@ import importlib
 
 from vllm_kvguard.flags import Flags
 
-_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "distributed")
+_MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "distributed",
+            "containment")
 
 
 def _load():

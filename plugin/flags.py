@@ -7,8 +7,9 @@
                                ``none`` applies no fix (useful with ``KVGUARD_FAULTS``).
 ``KVGUARD_FORCE``              ``1``: apply patches even outside their declared vLLM range.
 ``KVGUARD_AUDIT``              ``1``: verify the block pool's invariants after every step.
-``KVGUARD_FAULTS``             test-only allocator fault injection, e.g. ``every=7`` or
-                               ``rate=0.1,seed=3,after=20``. Loudly logged when on.
+``KVGUARD_FAULTS``             test-only fault injection, e.g. ``every=7`` or
+                               ``rate=0.1,seed=3,after=20``; ``phase=`` one of
+                               :data:`FAULT_PHASES` (default ``allocator``). Loudly logged.
 ``KVGUARD_LIVENESS_STEPS``     steps a waiting request may stall before it is reported (default 64; never failed).
 ``KVGUARD_ADMISSION``          ``0``/``off``: leave out the ``admission`` patch (requests that can
                                never fit are not refused at the door: vLLM's behaviour).
@@ -29,18 +30,24 @@ ON = ("1", "on", "true", "yes")
 OFF = ("", "0", "off", "false", "no")
 
 #: Names a user may put in KVGUARD_PATCHES. ``faults`` is enabled by KVGUARD_FAULTS instead.
-PATCH_NAMES = ("allocator", "warmup", "cudagraph", "admission")
+PATCH_NAMES = ("allocator", "warmup", "cudagraph", "admission", "containment")
+
+#: Where an injected fault fires: ``BlockPool.get_new_blocks``, the scheduler-side KV
+#: connector's ``get_num_new_matched_tokens`` / ``update_state_after_alloc``, or a KV load
+#: the worker reports failed (its blocks in ``invalid_block_ids``).
+FAULT_PHASES = ("allocator", "lookup", "update", "load")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """When the injected allocator fault fires: call numbers are counted per process."""
+    """Where and when the injected fault fires: call numbers are counted per process."""
 
     every: int = 0          # raise on every Nth call (0: use rate)
     rate: float = 0.0       # or with this probability
     seed: int = 0
     after: int = 0          # never during the first N calls
     limit: int = 0          # at most this many faults (0: no limit)
+    phase: str = "allocator"  # one of FAULT_PHASES
 
 
 @dataclass(frozen=True)
@@ -68,15 +75,22 @@ def _bool(env: Mapping[str, str], name: str, errors: list[str]) -> bool:
 
 
 def parse_faults(raw: str) -> FaultSpec:
-    """Parse ``every=N`` / ``rate=P[,seed=S]`` (+ ``after=N``, ``limit=N``); raise ValueError."""
-    valid = ("every", "rate", "seed", "after", "limit")
-    values: dict[str, float] = {}
+    """Parse ``every=N`` / ``rate=P[,seed=S]`` (+ ``after=N``, ``limit=N``, ``phase=P``);
+    raise ValueError."""
+    valid = ("every", "rate", "seed", "after", "limit", "phase")
+    values: dict = {}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         key, sep, val = part.partition("=")
         key = key.strip()
         if not sep or key not in valid:
             raise ValueError(f"KVGUARD_FAULTS: {part!r} is not key=value with a key in "
                              f"{', '.join(valid)} (example: every=7 or rate=0.1,seed=3)")
+        if key == "phase":
+            if val.strip() not in FAULT_PHASES:
+                raise ValueError(f"KVGUARD_FAULTS: phase={val!r} is not valid; use one of "
+                                 f"{', '.join(FAULT_PHASES)}")
+            values[key] = val.strip()
+            continue
         try:
             values[key] = float(val) if key == "rate" else int(val)
         except ValueError:

@@ -38,6 +38,35 @@ def kvguard_inject_fault(pool, num_blocks):
     """Return an exception to raise from ``BlockPool.get_new_blocks`` (test-only), or None."""
 
 
+@hookspec(firstresult=True)
+def kvguard_inject_connector_fault(connector, phase, request):
+    """Return an exception to raise from the scheduler-side KV connector's call for
+    ``phase`` (``"lookup"``: ``get_num_new_matched_tokens``, ``"update"``:
+    ``update_state_after_alloc``) on ``request`` (test-only), or None."""
+
+
+@hookspec(firstresult=True)
+def kvguard_inject_load_failure(scheduler, scheduler_output, model_runner_output):
+    """Return ``model_runner_output`` with KV loads of this step reported failed (their
+    blocks in ``kv_connector_output.invalid_block_ids``, as a worker reports them) for
+    ``Scheduler.update_from_output`` to see (test-only), or None to leave it."""
+
+
+# --------------------------------------------------------------------------- containment
+@hookspec(firstresult=True)
+def kvguard_guard_connector_call(connector, method, fn):
+    """The scheduler-side KV connector ``connector`` was built: return a callable to use
+    instead of its bound method named ``method`` (``fn``), or None to leave it. Ours runs
+    ``fn`` and contains an ``Exception`` to the request it was called for
+    (:mod:`vllm_kvguard.fixes.containment`)."""
+
+
+@hookspec
+def kvguard_connector_meta_built(scheduler, connector):
+    """``Scheduler`` built ``connector``'s metadata for this step (the end of
+    ``schedule()``): ours ends every request whose connector call failed in the step."""
+
+
 @hookspec
 def kvguard_after_schedule(scheduler, output):
     """After every ``Scheduler.schedule()`` returned ``output``: the audit (registered only

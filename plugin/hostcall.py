@@ -23,6 +23,10 @@ class InjectedFault(KvguardOutcome, ValueError):
     """The test-only allocator fault (a ValueError, like vLLM's own pool exhaustion)."""
 
 
+class InjectedConnectorFault(KvguardOutcome, RuntimeError):
+    """The test-only KV connector fault (a connector's own bug, as far as vLLM can tell)."""
+
+
 class HostCall:
     """vLLM's original call, run at most once, remembering whether it ran and how it ended."""
 

@@ -69,6 +69,15 @@ def test_default_runs_every_scenario_but_the_self_check_in_order():
         "coverage", "baseline"]
 
 
+def test_connector_faults_runs_on_request_with_its_own_fault_schedule():
+    s = _settings("--scenario", "connector-faults")
+    sc = SCENARIOS["connector-faults"]
+    env_a, env_b, _, _ = scenario_envs(sc, s)
+    assert env_a["KVGUARD_FAULTS"] == env_b["KVGUARD_FAULTS"] == "phase=lookup,every=5"
+    assert env_a["KVGUARD_PATCHES"] == "none" and "KVGUARD_PATCHES" not in env_b
+    assert scenario_spec(sc, s)["connector"] == "ExampleConnector"
+
+
 def test_engine_settings_override_every_scenario(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     s = _settings("--model", str(tmp_path), "--max-num-seqs", "4", "--no-enforce-eager",

@@ -144,3 +144,18 @@ def test_b_less_deterministic_than_a_fails():
     assert _status(checks, "B as deterministic as A across rounds") == FAIL
     both = _checks(side(consistent=False), side("on", consistent=False))
     assert _status(both, "B as deterministic as A across rounds") == PASS
+
+
+def test_connector_faults_b_passes_when_only_the_faulted_requests_fail():
+    ref = {"outputs": OUT, "finish_reasons": ["length", "length"]}
+    b = {**side("on", faults=2), "finish_reasons": ["length", "error"]}
+    b["totals"] = {**b["totals"], "completed": b["totals"]["submitted"] - 2, "failed": 2}
+    par = abstats.parity(side(died=True), b, ref)
+    thr = abstats.throughput_summary([], b["tok_s"])
+    name = "B completes every request but the faulted ones"
+    checks = abstats.checks(side(died=True), b, par, thr, 0.97, faulted_fail=True)
+    assert _status(checks, name) == PASS and abstats.verdict(checks)
+    assert par["compared"] == 1 and par["identical"] == 1       # the error is not compared
+    more = {**b, "totals": {**b["totals"], "failed": 3, "completed": b["totals"]["completed"] - 1}}
+    assert _status(abstats.checks(side(died=True), more, par, thr, 0.97, faulted_fail=True),
+                   name) == FAIL                                # one unfaulted request failed

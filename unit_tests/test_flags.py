@@ -58,11 +58,14 @@ def test_faults_parse():
     assert parse_faults("every=7") == FaultSpec(every=7)
     assert parse_faults("rate=0.25,seed=3,after=10,limit=2") == FaultSpec(
         rate=0.25, seed=3, after=10, limit=2)
+    assert parse_faults("every=7").phase == "allocator"            # the old syntax
+    assert parse_faults("phase=lookup,every=5") == FaultSpec(every=5, phase="lookup")
 
 
 @pytest.mark.parametrize("raw,needle", [
     ("often", "key=value"), ("every=x", "not a number"), ("rate=2", "0<=rate<=1"),
     ("seed=1", "never fires"), ("colour=red", "every, rate, seed, after, limit"),
+    ("phase=disk,every=2", "allocator, lookup, update, load"),
 ])
 def test_bad_faults_are_reported_and_off(raw, needle):
     fl = read_flags({"KVGUARD": "1", "KVGUARD_FAULTS": raw})

@@ -1,9 +1,15 @@
-"""Test-only fault injection into ``BlockPool.get_new_blocks`` (``KVGUARD_FAULTS``).
+"""Test-only fault injection (``KVGUARD_FAULTS``) at one phase.
 
-Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call; ``rate=P,seed=S``
-fails calls at random with a seeded generator. ``after=N`` spares the first N calls,
-``limit=K`` stops after K faults. The injected error is a ValueError like vLLM's own
-"Cannot get N free blocks from the pool", raised before the pool changes.
+``phase=allocator`` (the default) fails ``BlockPool.get_new_blocks`` with a ValueError
+like vLLM's own "Cannot get N free blocks from the pool", raised before the pool changes;
+``lookup`` / ``update`` make the scheduler-side KV connector's
+``get_num_new_matched_tokens`` / ``update_state_after_alloc`` raise a RuntimeError before
+the connector runs; ``load`` reports a request's KV load of the step failed (the last
+block it loaded, in ``invalid_block_ids``), as a worker does, for vLLM's own
+``kv_load_failure_policy`` to handle. A call of ``load`` is a new request scheduled with
+computed tokens. Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call
+of the phase; ``rate=P,seed=S`` fails calls at random with a seeded generator. ``after=N``
+spares the first N calls, ``limit=K`` stops after K faults.
 """
 from __future__ import annotations
 
@@ -15,7 +21,11 @@ from vllm_kvguard import report
 from vllm_kvguard.flags import FaultSpec
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
-from vllm_kvguard.hostcall import InjectedFault
+from vllm_kvguard.hostcall import InjectedConnectorFault, InjectedFault
+
+CONNECTOR_METHODS = {"lookup": "get_num_new_matched_tokens",
+                     "update": "update_state_after_alloc",
+                     "load": "a KV load the worker reports"}
 
 
 class FaultSchedule:
@@ -43,9 +53,10 @@ class Injector:
 
     def __init__(self, spec: FaultSpec):
         self.schedule = FaultSchedule(spec)
+        where = CONNECTOR_METHODS.get(spec.phase, "BlockPool.get_new_blocks")
         once(logging.WARNING, ("faults-on",),
-             "vllm-kvguard: TEST-ONLY allocator fault injection is ON (KVGUARD_FAULTS: %s); "
-             "BlockPool.get_new_blocks will fail on purpose", spec)
+             "vllm-kvguard: TEST-ONLY %s fault injection is ON (KVGUARD_FAULTS: %s); "
+             "%s will fail on purpose", spec.phase, spec, where)
 
     def reset(self, spec: FaultSpec) -> None:
         self.schedule = FaultSchedule(spec)
@@ -53,8 +64,39 @@ class Injector:
     @hookimpl
     def kvguard_inject_fault(self, pool, num_blocks):
         sched = self.schedule
-        if sched.should_fail():
+        if sched.spec.phase == "allocator" and sched.should_fail():
             report.count("fault", "injected")      # every process's count reaches /metrics
             return InjectedFault(f"injected: Cannot get {num_blocks} free blocks from the "
                                  f"pool (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
         return None
+
+    @hookimpl
+    def kvguard_inject_connector_fault(self, connector, phase, request):
+        sched = self.schedule
+        if sched.spec.phase == phase and sched.should_fail():
+            report.count("fault", "injected")
+            return InjectedConnectorFault(
+                f"injected: KV connector {CONNECTOR_METHODS[phase]} failed for request "
+                f"{request.request_id} (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
+        return None
+
+    @hookimpl
+    def kvguard_inject_load_failure(self, scheduler, scheduler_output, model_runner_output):
+        sched = self.schedule
+        if sched.spec.phase != "load" or getattr(scheduler, "connector", None) is None:
+            return None
+        block_size = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        failed = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens > 0 and sched.should_fail():
+                failed.add(new.block_ids[0][(new.num_computed_tokens - 1) // block_size])
+                report.count("fault", "injected")
+        if not failed:
+            return None
+        import dataclasses
+
+        from vllm.v1.outputs import KVConnectorOutput
+
+        kvo = model_runner_output.kv_connector_output or KVConnectorOutput()
+        kvo = dataclasses.replace(kvo, invalid_block_ids=set(kvo.invalid_block_ids) | failed)
+        return dataclasses.replace(model_runner_output, kv_connector_output=kvo)

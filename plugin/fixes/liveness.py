@@ -24,6 +24,7 @@ import weakref
 
 from vllm_kvguard import report
 from vllm_kvguard.fixes import admission
+from vllm_kvguard.fixes.request_errors import fail_request
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
@@ -94,35 +95,11 @@ def waiting_cause(scheduler, request) -> str:
 
 
 def _finish(scheduler, request, message: str) -> None:
-    from vllm.v1.request import RequestStatus
-
-    # The scheduler's own per-request error path, drained by update_from_output:
-    # finish_requests(FINISHED_ERROR) and an EngineCoreOutput with finish_reason=error
-    # (on 0.33+ carrying this message to the client as a GenerationError).
-    errors = getattr(scheduler, "grammar_compile_error_reqs", None)
-    request_error = _request_error(message) if isinstance(errors, dict) else None
-    if request_error is not None:
-        errors[request.request_id] = request_error
-        how = "finished with this error"
-    elif isinstance(errors, set):
-        errors.add(request.request_id)
-        how = "finished with an error"
-    else:
-        status = getattr(RequestStatus, "FINISHED_ERROR", RequestStatus.FINISHED_ABORTED)
-        scheduler.finish_requests(request.request_id, status)
-        how = f"finished as {status.name} (this vLLM has no error path to the client)"
+    how = fail_request(scheduler, request.request_id, message, "kv_cache_capacity")
     report.count("liveness", "finished_never_fits")
     logger.error("%s [%s]", message, how)
     once(logging.INFO, ("liveness-first",),
          "vllm-kvguard: liveness guard acted; counter 'liveness' in the report")
-
-
-def _request_error(message: str):
-    try:
-        from vllm.outputs import RequestError
-    except ImportError:
-        return None
-    return RequestError(code="kv_cache_capacity", message=message)
 
 
 class Liveness:

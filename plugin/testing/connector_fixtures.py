@@ -55,8 +55,10 @@ class DeferringConnector(KVConnectorBase_V1):
 
 
 def make_connector_scheduler(*, defers: int, is_async: bool = False, matched_tokens: int = 0,
-                             num_gpu_blocks: int = 10000, block_size: int = BLOCK_SIZE):
-    """A real ``Scheduler`` with prefix caching and a :class:`DeferringConnector`."""
+                             num_gpu_blocks: int = 10000, block_size: int = BLOCK_SIZE,
+                             **transfer):
+    """A real ``Scheduler`` with prefix caching and a :class:`DeferringConnector`;
+    ``transfer``: more ``KVTransferConfig`` fields (``kv_load_failure_policy``)."""
     from vllm.config import KVTransferConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -67,7 +69,7 @@ def make_connector_scheduler(*, defers: int, is_async: bool = False, matched_tok
         kv_connector="DeferringConnector", kv_role="kv_both",
         kv_connector_module_path=__name__,
         kv_connector_extra_config={"defers": defers, "is_async": is_async,
-                                   "matched_tokens": matched_tokens})
+                                   "matched_tokens": matched_tokens}, **transfer)
     kcc = kv_cache_config([attention_spec(block_size)], num_gpu_blocks)
     return Scheduler(**accepted(Scheduler.__init__, dict(
         vllm_config=config, kv_cache_config=kcc,

@@ -281,7 +281,7 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
             references[key] = reference
     par = abstats.parity(a, b, reference)
     thr = abstats.throughput_summary(a["tok_s"], b["tok_s"])
-    checks = abstats.checks(a, b, par, thr, settings["tolerance"])
+    checks = abstats.checks(a, b, par, thr, settings["tolerance"], sc.faulted_fail)
     return {"name": sc.name, "description": sc.description, "spec": spec,
             "rounds_per_sample": rounds, "sides": summary,
             "reference": None if reference is None else {

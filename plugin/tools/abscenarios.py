@@ -31,6 +31,8 @@ class Scenario:
     gpu_engine: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     faults: bool = False                       # inject allocator faults on both sides
+    fault_spec: str = ""                       # this KVGUARD_FAULTS instead of --faults
+    faulted_fail: bool = False                 # B fails the faulted requests, serves the rest
     env_b: dict = field(default_factory=dict)  # flags B adds to KVGUARD=1
     plugin_b: bool = True                      # False: an A/A run (the harness's own bias)
     default: bool = True                       # part of a bare ``kvguard-ab``
@@ -44,6 +46,11 @@ SCENARIOS = {sc.name: sc for sc in (
              engine=_POOL),
     Scenario("alloc-faults", "allocator faults injected in EngineCore at a fixed rate "
              "(A: injector only, B: injector + fixes)", engine=_POOL, faults=True),
+    Scenario("connector-faults", "KV connector lookups fail in EngineCore (vLLM's "
+             "ExampleConnector, KV files; A: injector only, B: injector + fixes): B fails only "
+             "the faulted requests", engine={"block_size": 32, "enable_prefix_caching": False},
+             workload={"connector": "ExampleConnector"}, faults=True,
+             fault_spec="phase=lookup,every=5", faulted_fail=True, default=False),
     Scenario("kv-pressure", "a KV pool far smaller than the load: preemption and recompute",
              engine={"block_size": 32, "max_model_len": 128,
                      "disable_log_stats": False}),     # vLLM counts the preemptions
@@ -86,7 +93,8 @@ def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
     """The environment of A and B (the plugin's flags; thread settings identical on both)."""
     common = settings.get("thread_env", {})
     if sc.faults:
-        faults = {**common, "KVGUARD": "1", "KVGUARD_FAULTS": settings["faults"]}
+        faults = {**common, "KVGUARD": "1",
+                  "KVGUARD_FAULTS": sc.fault_spec or settings["faults"]}
         return ({**faults, "KVGUARD_PATCHES": "none"}, {**faults, **sc.env_b},
                 "faults only", "on + faults")
     if not sc.plugin_b:
@@ -96,7 +104,7 @@ def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
 
 def workload_key(spec: dict) -> str:
     """What decides the greedy outputs (not the number of rounds)."""
-    keep = ("model", "engine", "gpu_engine", "num_requests", "prompt_len", "max_tokens",
-            "seed", "repetitive", "multiprocess")
+    keep = ("model", "engine", "gpu_engine", "connector", "num_requests", "prompt_len",
+            "max_tokens", "seed", "repetitive", "multiprocess")
     full = {**DEFAULTS, **spec}
     return json.dumps({k: full[k] for k in keep}, sort_keys=True)

@@ -126,9 +126,11 @@ def completed_all(side: dict) -> bool:
             and t.get("submitted", 0) > 0 and t.get("completed") == t.get("submitted"))
 
 
-def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dict[str, str]]:
-    """What makes a scenario pass: B completes every request, leaks nothing, gives A's
-    greedy outputs, stays as deterministic as A, and keeps A's throughput within tolerance."""
+def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float,
+           faulted_fail: bool = False) -> list[dict[str, str]]:
+    """What makes a scenario pass: B completes every request (``faulted_fail``: all but
+    the faulted ones, which fail), leaks nothing, gives A's greedy outputs, stays as
+    deterministic as A, and keeps A's throughput within tolerance."""
     out = []
 
     def add(name: str, status: str, detail: str, warn: bool = False) -> None:
@@ -136,9 +138,16 @@ def checks(a: dict, b: dict, par: dict, thr: dict, tolerance: float) -> list[dic
 
     t = b.get("totals") or {}
     state = "hung" if b.get("hung") else "died" if b.get("engine_died") else "alive"
-    add("B completes every request", PASS if completed_all(b) else FAIL,
-        f"{t.get('completed', 0)}/{t.get('submitted', 0)} completed, engine {state}"
-        + (f": {b.get('error')}" if b.get("error") else ""))
+    detail = (f"{t.get('completed', 0)}/{t.get('submitted', 0)} completed, engine {state}"
+              + (f": {b.get('error')}" if b.get("error") else ""))
+    if faulted_fail:
+        faulted = int(b.get("faults_injected") or 0)
+        ok = (state == "alive" and faulted > 0 and t.get("failed") == faulted
+              and t.get("completed") == t.get("submitted", 0) - faulted)
+        add("B completes every request but the faulted ones", PASS if ok else FAIL,
+            f"{detail}; {t.get('failed', 0)} failed, {faulted} faults injected")
+    else:
+        add("B completes every request", PASS if completed_all(b) else FAIL, detail)
 
     lk = leaked(b)
     add("B leaks no blocks", NA if lk is None else PASS if lk == 0 else FAIL,

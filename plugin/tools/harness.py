@@ -65,6 +65,15 @@ def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
             "stderr": stderr[-4000:]}
 
 
+def fault_runs(spec: dict, faults: str, timeout: float = 240.0) -> tuple[dict, dict]:
+    """The workload under ``KVGUARD_FAULTS=faults`` with vLLM alone (the injector, no
+    fixes) and with the plugin (audit on): ``(vllm_alone, fixed)``."""
+    env = {"KVGUARD": "1", "KVGUARD_FAULTS": faults}
+    vllm_alone = run_in_subprocess(spec, {**env, "KVGUARD_PATCHES": "none"}, timeout)
+    fixed = run_in_subprocess(spec, {**env, "KVGUARD_AUDIT": "1"}, timeout)
+    return vllm_alone, fixed
+
+
 def note_fatal_fault(result: dict, log: str) -> dict:
     """A multiprocess engine that an injected fault killed: the fault is in EngineCore's
     log (this child's stderr), not in the front end's error; count it."""

@@ -54,6 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "rounds": 1,               # generate() calls on the same engine (throughput samples)
     "multiprocess": False,
     "cpus": None,              # CPU ids to pin the process to once the engine is built
+    "connector": None,         # a KV connector: "ExampleConnector" (KV files in a temp dir),
+                               # or a dict of KVTransferConfig fields with kv_connector
 }
 
 FINISHED = ("length", "stop")
@@ -159,6 +161,8 @@ class Session:
         self.outputs: list[list[int]] | None = None
         self._model_dir: str | None = None       # an embedded model written for this run
         self.reasons: list[str] | None = None
+        self.per_round: list[dict] = []         # every round's outputs and finish reasons
+        self._storage: str | None = None        # the connector's KV files
         self.consistent = True
 
     @property
@@ -207,6 +211,8 @@ class Session:
                 model_dir = write_model(model, self._model_dir)
             else:
                 model_dir = model
+            if self.spec["connector"]:
+                engine["kv_transfer_config"] = self._connector_config(self.spec["connector"])
             self.llm = LLM(**engine_kwargs(model_dir, **engine))
         except Exception as exc:
             self.out.update(error=f"startup failed: {type(exc).__name__}: {exc}",
@@ -220,6 +226,16 @@ class Session:
                                      max_tokens=self.spec["max_tokens"])
         self.prompts = [{"prompt_token_ids": p} for p in make_prompts(self.spec)]
         return True
+
+    def _connector_config(self, connector):
+        from vllm.config import KVTransferConfig
+
+        fields = dict(connector) if isinstance(connector, dict) else {"kv_connector": connector}
+        extra = fields.setdefault("kv_connector_extra_config", {})
+        if fields["kv_connector"] == "ExampleConnector":
+            self._storage = tempfile.mkdtemp(prefix="kvguard-kv-")
+            extra["shared_storage_path"] = self._storage
+        return KVTransferConfig(**{"kv_role": "kv_both", **fields})
 
     def generate(self) -> float | None:
         """One round: all prompts through ``LLM.generate``; its seconds, or None if dead."""
@@ -238,6 +254,7 @@ class Session:
         self.round_cpu_s.append(time.process_time() - c)
         outputs = [list(r.outputs[0].token_ids) for r in results]
         reasons = [r.outputs[0].finish_reason for r in results]
+        self.per_round.append({"outputs": outputs, "finish_reasons": reasons})
         if self.outputs is None:
             self.outputs, self.reasons = outputs, reasons
         elif outputs != self.outputs:
@@ -252,6 +269,8 @@ class Session:
     def finish(self) -> dict:
         out = self.out
         out.update(round_s=self.round_s, round_cpu_s=self.round_cpu_s, totals=self.totals, outputs_consistent=self.consistent)
+        if self.spec["connector"]:
+            out["per_round"] = self.per_round
         if self.outputs is not None:
             reasons = self.reasons
             done = sum(1 for r in reasons if r in FINISHED)
@@ -272,8 +291,9 @@ class Session:
             if out["engine_died"]:      # requests died holding blocks: not comparable
                 state = {f"died_{k}": v for k, v in state.items()}
             out.update(state)
-        if self._model_dir:                 # no round runs after finish()
-            shutil.rmtree(self._model_dir, ignore_errors=True)
+        for tmp in (self._model_dir, self._storage):   # no round runs after finish()
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
         return _finish(out)
 
 
