@@ -74,22 +74,51 @@ class Rollback:
             return None
         if plan is None:
             return None
-        journal, record, recover = plan.journal, plan.record, self.recover
+        journal, recover = plan.journal, self.recover
+        rtbs, hot, rare, aligned, record_ids = (plan.rtbs, plan.hot, plan.rare, plan.align,
+                                                plan.record_ids)
 
-        def allocate_slots(request, *args, **kwargs):
+        def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
+                           new_computed_blocks=None, num_lookahead_tokens=0, *args, **kwargs):
             if journal.log is not None or self.disabled:     # nested, or rollback off
-                return fn(request, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+            # Record the request's entries, in this frame (see Plan; undo.rollback reads
+            # them back): block list and length per group, the dicts' values, per align
+            # group its set membership, offload count and last table entries.
             try:
                 rid = request.request_id
-                rec = record(rid)
+                lists, lens, vals = [], [], []
+                for rtb in rtbs:
+                    blocks = rtb.get(rid)
+                    lists.append(blocks)
+                    lens.append(-1 if blocks is None else len(blocks))
+                for d in hot:
+                    vals.append(d.get(rid))
+                rare_vals = [d.get(rid) for d in rare] if any(rare) else None
+                align = ids = ()
+                if aligned:
+                    align = []
+                    for i, m, alloc, nsb, offl in aligned:
+                        n = lens[i]
+                        align.append((rid in alloc,
+                                      len(m._pending_boundary_state_offloads) if offl else 0,
+                                      tuple(lists[i][max(n - nsb, 0):n]) if nsb and n > 0
+                                      else ()))
+                if record_ids:
+                    ids = [len(m.new_block_ids) for m in record_ids]
             except Exception as exc:
                 self.disable(exc)
-                return fn(request, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+            # Call vLLM with the pool journal open; undo on failure.
             log = journal.log = []
             try:
-                return fn(request, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
             except Exception as error:
                 journal.log = None
+                rec = (lists, lens, vals, rare_vals, align, ids)
                 return recover(plan, rec, log, rid, request, error)
             finally:
                 journal.log = None
