@@ -3,8 +3,9 @@
 vLLM checks the block budget once and then allocates group by group; when one group's
 estimate is wrong (Mamba align on external tokens, vllm#46892) or anything else raises
 half-way, the error escapes ``Scheduler.schedule`` and EngineCore dies (vllm#45856).
-Here the call is one transaction: record the request's entries (:mod:`.plan`), log the
-pool operations (:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
+Here the call is one transaction: record the request's entries (the containers
+:mod:`.plan` lists, read in the transaction's own frame), log the pool operations
+(:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
 (:mod:`.undo`) and return None, vLLM's own "no room now", so the scheduler preempts or
 waits. ``allocate_slots``' own argument check, ``BaseException`` and a failed undo
 re-raise vLLM's error untouched.
@@ -96,17 +97,15 @@ class Rollback:
                 for d in hot:
                     vals.append(d.get(rid))
                 rare_vals = [d.get(rid) for d in rare] if any(rare) else None
-                align = ids = ()
-                if aligned:
-                    align = []
-                    for i, m, alloc, nsb, offl in aligned:
-                        n = lens[i]
-                        align.append((rid in alloc,
-                                      len(m._pending_boundary_state_offloads) if offl else 0,
-                                      tuple(lists[i][max(n - nsb, 0):n]) if nsb and n > 0
-                                      else ()))
-                if record_ids:
-                    ids = [len(m.new_block_ids) for m in record_ids]
+                align, ids = [], []
+                for i, m, alloc, nsb, offl in aligned:
+                    n = lens[i]
+                    align.append((rid in alloc,
+                                  len(m._pending_boundary_state_offloads) if offl else 0,
+                                  lists[i][n - nsb if n > nsb else 0:n] if nsb and n > 0
+                                  else ()))
+                for m in record_ids:
+                    ids.append(len(m.new_block_ids))
             except Exception as exc:
                 self.disable(exc)
                 return fn(request, num_new_tokens, num_new_computed_tokens,
@@ -114,8 +113,11 @@ class Rollback:
             # Call vLLM with the pool journal open; undo on failure.
             log = journal.log = []
             try:
-                return fn(request, num_new_tokens, num_new_computed_tokens,
-                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+                if args or kwargs:
+                    return fn(request, num_new_tokens, num_new_computed_tokens,
+                              new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,   # no repacking
+                          new_computed_blocks, num_lookahead_tokens)
             except Exception as error:
                 journal.log = None
                 rec = (lists, lens, vals, rare_vals, align, ids)
