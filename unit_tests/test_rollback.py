@@ -265,6 +265,24 @@ def test_unknown_manager_type_is_left_alone(kvguard_log):
                for line in kvguard_log.lines())
 
 
+
+def test_other_leading_parameters_are_left_alone():
+    """The transaction passes vLLM's leading parameters on by position: a vLLM whose
+    allocate_slots orders them differently gets no transaction (and one log line)."""
+    from vllm_kvguard.fixes.plan import unsupported_reason
+
+    m = hybrid_manager(32)
+    assert unsupported_reason(m) is None
+    base = type(m)
+
+    def allocate_slots(self, request, num_new_tokens, num_lookahead_tokens=0,
+                       num_new_computed_tokens=0, new_computed_blocks=None, **kwargs):
+        return base.allocate_slots(self, request, num_new_tokens, num_new_computed_tokens,
+                                   new_computed_blocks, num_lookahead_tokens, **kwargs)
+
+    m.__class__ = type("Reordered", (base,), {"allocate_slots": allocate_slots})
+    assert unsupported_reason(m) == "an allocate_slots with other leading parameters"
+
 def test_free_queue_order_is_restored_exactly():
     """Touched eviction candidates go back behind their old neighbours, popped blocks to
     the head in pop order (not just the same set)."""

@@ -96,7 +96,16 @@ class PoolJournal:
     def _get_new_blocks_exact(self, num_blocks):
         if (log := self.log) is None:
             return self.cls.get_new_blocks(self.pool, num_blocks)
-        return self._pop(log, (num_blocks,), _NO_KWARGS)
+        before = self.queue.num_free_blocks          # the common signature: no second frame
+        if not log:
+            self.free_at_start = before
+        try:
+            blocks = self.cls.get_new_blocks(self.pool, num_blocks)
+        except BaseException:
+            self._pop_failed(before)
+            raise
+        log.append((POP, self, list(blocks)))
+        return blocks
 
     def _get_new_blocks(self, *args, **kwargs):
         if (log := self.log) is None:
@@ -110,11 +119,14 @@ class PoolJournal:
         try:
             blocks = self.cls.get_new_blocks(self.pool, *args, **kwargs)
         except BaseException:
-            if self.queue.num_free_blocks != before:
-                self.broken = "get_new_blocks failed after popping blocks"
+            self._pop_failed(before)
             raise
         log.append((POP, self, list(blocks)))
         return blocks
+
+    def _pop_failed(self, before: int) -> None:
+        if self.queue.num_free_blocks != before:
+            self.broken = "get_new_blocks failed after popping blocks"
 
     # -- touch
     def _touch_exact(self, blocks):

@@ -3,8 +3,9 @@
 vLLM checks the block budget once and then allocates group by group; when one group's
 estimate is wrong (Mamba align on external tokens, vllm#46892) or anything else raises
 half-way, the error escapes ``Scheduler.schedule`` and EngineCore dies (vllm#45856).
-Here the call is one transaction: record the request's entries (:mod:`.plan`), log the
-pool operations (:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
+Here the call is one transaction: record the request's entries (the containers
+:mod:`.plan` lists, read in the transaction's own frame), log the pool operations
+(:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
 (:mod:`.undo`) and return None, vLLM's own "no room now", so the scheduler preempts or
 waits. ``allocate_slots``' own argument check, ``BaseException`` and a failed undo
 re-raise vLLM's error untouched.
@@ -74,22 +75,52 @@ class Rollback:
             return None
         if plan is None:
             return None
-        journal, record, recover = plan.journal, plan.record, self.recover
+        journal, recover = plan.journal, self.recover
+        rtbs, hot, rare, aligned, record_ids = (plan.rtbs, plan.hot, plan.rare, plan.align,
+                                                plan.record_ids)
 
-        def allocate_slots(request, *args, **kwargs):
+        def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
+                           new_computed_blocks=None, num_lookahead_tokens=0, *args, **kwargs):
             if journal.log is not None or self.disabled:     # nested, or rollback off
-                return fn(request, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+            # Record the request's entries, in this frame (see Plan; undo.rollback reads
+            # them back): block list and length per group, the dicts' values, per align
+            # group its set membership, offload count and last table entries.
             try:
                 rid = request.request_id
-                rec = record(rid)
+                lists, lens, vals = [], [], []
+                for rtb in rtbs:
+                    blocks = rtb.get(rid)
+                    lists.append(blocks)
+                    lens.append(-1 if blocks is None else len(blocks))
+                for d in hot:
+                    vals.append(d.get(rid))
+                rare_vals = [d.get(rid) for d in rare] if any(rare) else None
+                align, ids = [], []
+                for i, m, alloc, nsb, offl in aligned:
+                    n = lens[i]
+                    align.append((rid in alloc,
+                                  len(m._pending_boundary_state_offloads) if offl else 0,
+                                  lists[i][n - nsb if n > nsb else 0:n] if nsb and n > 0
+                                  else ()))
+                for m in record_ids:
+                    ids.append(len(m.new_block_ids))
             except Exception as exc:
                 self.disable(exc)
-                return fn(request, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+            # Call vLLM with the pool journal open; undo on failure.
             log = journal.log = []
             try:
-                return fn(request, *args, **kwargs)
+                if args or kwargs:
+                    return fn(request, num_new_tokens, num_new_computed_tokens,
+                              new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+                return fn(request, num_new_tokens, num_new_computed_tokens,   # no repacking
+                          new_computed_blocks, num_lookahead_tokens)
             except Exception as error:
                 journal.log = None
+                rec = (lists, lens, vals, rare_vals, align, ids)
                 return recover(plan, rec, log, rid, request, error)
             finally:
                 journal.log = None

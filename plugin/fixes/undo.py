@@ -37,7 +37,8 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
     changed = any(data[0] if kind == TOUCH else data for kind, _, data in log)
 
     # Validate before changing anything.
-    lists, lens, vals, align_rec, id_lens = rec
+    lists, lens, vals, rare_vals, align_rec, id_lens = rec
+    vals = vals + (rare_vals if rare_vals is not None else [None] * len(plan.rare))
     relocs = []
     windows = {g[0]: r[2] for g, r in zip(plan.align, align_rec)}
     for i, (rtb, blocks, n) in enumerate(zip(plan.rtbs, lists, lens)):
