@@ -16,7 +16,7 @@ import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply 
 
 from vllm_kvguard.testing.kv_fixtures import (attention_spec, free_ids, groups, hybrid_manager,  # noqa: E402
                          make_manager, make_request, mamba_spec, prefill, settle, state,
-                         state_diff)
+                         state_diff, used_blocks)
 
 from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes import rollback  # noqa: E402
@@ -208,15 +208,49 @@ def test_error_before_any_change_is_reraised():
     assert "rollback" not in report.snapshot()
 
 
-def test_undo_failure_reraises_the_original_error(mocker):
+def test_a_failed_undo_is_no_room_with_no_stray_block(mocker, kvguard_log):
+    """The undo itself fails: vLLM's error is not re-raised (EngineCore would die); the
+    call is "no room now", the request is doomed, and every block the call popped is
+    either in one of its tables or back in the pool."""
     activate()
     m = hybrid_manager(32)
     req = make_request("r", prompt(1, 40))
     arm(2)
     mocker.patch.object(rollback, "rollback", side_effect=rollback.RollbackFailed("x"))
-    with pytest.raises(InjectedFault):
-        admit(m, req)
-    assert report.snapshot()["rollback_failed"] == {"InjectedFault": 1}
+    assert admit(m, req) is None
+    snap = report.snapshot()
+    assert snap["rollback_failed"] == {"InjectedFault": 1}
+    assert snap["contained"] == {"allocate_slots": 1}
+    held = {id(b) for mgr in m.coordinator.single_type_managers
+            for b in mgr.req_to_blocks.get("r", ()) if not b.is_null}
+    assert used_blocks(m) == len(held)
+    line, = [ln for ln in kvguard_log.lines() if "undoing it raised" in ln]
+    assert "request r failed" in line and "only this request is ended" in line
+
+
+def test_a_request_whose_undo_fails_is_ended_alone(mocker):
+    """On a real Scheduler: the request whose allocation cannot be undone finishes with an
+    error after that step, the others are served to their length, nothing leaks."""
+    from vllm_kvguard.fixes import audit
+    from vllm_kvguard.testing.kv_fixtures import make_scheduler, scheduler_step
+
+    activate()
+    sched = make_scheduler(num_gpu_blocks=64)
+    for i, rid in enumerate(("r0", "bad", "r2")):
+        sched.add_request(make_request(rid, prompt(i, 40), max_tokens=4))
+    arm(2)                                  # the second pool call: "bad"'s admission
+    mocker.patch.object(rollback, "rollback", side_effect=rollback.RollbackFailed("x"))
+    reasons = {}
+    for _ in range(12):
+        _out, engine_outputs = scheduler_step(sched)
+        for eco in engine_outputs.values():
+            reasons.update({o.request_id: str(o.finish_reason) for o in eco.outputs
+                            if o.finish_reason is not None})
+    assert fired() == 1
+    assert "ERROR" in reasons["bad"].upper(), reasons
+    assert "LENGTH" in reasons["r0"].upper() and "LENGTH" in reasons["r2"].upper(), reasons
+    assert not sched.requests and used_blocks(sched.kv_cache_manager) == 0
+    assert audit.audit_kv_cache_manager(sched.kv_cache_manager, sched) == []
 
 
 def test_rolled_back_hook_names_the_group(kvguard_log):

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes.request_errors import fail_request
+from vllm_kvguard.fixes.request_errors import end_request
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
@@ -107,12 +107,9 @@ class Containment:
     @staticmethod
     def _end(scheduler, failure: Failure) -> None:
         rid = failure.request_id
-        if failure.evict and rid in scheduler.requests:
-            ids = {b for group in scheduler.kv_cache_manager.get_block_ids(rid) for b in group}
-            scheduler.kv_cache_manager.evict_blocks(ids)
         message = (f"request {rid} failed: the KV connector's {failure.method} raised "
                    f"{type(failure.error).__name__}: {failure.error}")
-        fail_request(scheduler, rid, message, "kv_connector")
+        end_request(scheduler, rid, message, "kv_connector", evict=failure.evict)
 
 
 def _internal(exc: Exception, outcome: str) -> None:

@@ -9,6 +9,17 @@ no such path the request is finished at once (aborted on the oldest versions).
 from __future__ import annotations
 
 
+def end_request(scheduler, request_id: str, message: str, code: str, *,
+                evict: bool = False) -> str:
+    """:func:`fail_request`; with ``evict``, first drop the request's blocks from the
+    prefix cache (their KV may never have been written: nobody may reuse it)."""
+    if evict and request_id in scheduler.requests:
+        ids = {b for group in scheduler.kv_cache_manager.get_block_ids(request_id)
+               for b in group}
+        scheduler.kv_cache_manager.evict_blocks(ids)
+    return fail_request(scheduler, request_id, message, code)
+
+
 def fail_request(scheduler, request_id: str, message: str, code: str) -> str:
     """Queue ``request_id`` to finish with ``message``; returns how, for the log line."""
     from vllm.v1.request import RequestStatus

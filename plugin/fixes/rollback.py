@@ -7,8 +7,10 @@ Here the call is one transaction: record the request's entries (the containers
 :mod:`.plan` lists, read in the transaction's own frame), log the pool operations
 (:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
 (:mod:`.undo`) and return None, vLLM's own "no room now", so the scheduler preempts or
-waits. ``allocate_slots``' own argument check, ``BaseException`` and a failed undo
-re-raise vLLM's error untouched.
+waits. ``allocate_slots``' own argument check and ``BaseException`` re-raise vLLM's error
+untouched. When the undo itself fails, the request's state is unknown: only that request
+is ended (after the step's ``schedule``, through vLLM's error path, its blocks out of the
+prefix cache), the blocks the call popped that no table of it holds go back to the pool.
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import logging
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes.journal import PoolJournal
+from vllm_kvguard.fixes.journal import POP, PoolJournal
 from vllm_kvguard.fixes.plan import Plan, unsupported_reason
+from vllm_kvguard.fixes.request_errors import end_request
 from vllm_kvguard.fixes.undo import RollbackFailed, failing_group, raised_by_itself, rollback
 from vllm_kvguard.hookspecs import hookimpl
-from vllm_kvguard.log import once
+from vllm_kvguard.log import logger, once
 
 __all__ = ["Rollback", "RollbackFailed"]
 
@@ -35,6 +38,7 @@ class Rollback:
         self.disabled: str | None = None
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._doomed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager: {rid: why}
 
     # -- per manager
     def plan_for(self, manager) -> Plan | None:
@@ -134,6 +138,8 @@ class Rollback:
             changed = rollback(plan, rec, log, rid)
         except Exception as exc:
             report.count("rollback_failed", type(error).__name__)
+            if self._doom(plan, log, rid, error, exc):
+                return None
             once(logging.ERROR, ("rollback-failed", type(exc).__name__),
                  "vllm-kvguard: could not roll back the failed KV allocation of request %s "
                  "(%s: %s); re-raising vLLM's error %s: %s", rid, type(exc).__name__, exc,
@@ -157,6 +163,40 @@ class Rollback:
                      "vllm-kvguard: a kvguard_allocation_rolled_back hook raised %s: %s",
                      type(exc).__name__, exc)
         return None
+
+    def _doom(self, plan, log, rid, error, exc) -> bool:
+        """After a failed undo: give back the blocks this call popped that no table of the
+        request holds, and end the request after this step's ``schedule``. False (vLLM's
+        error is re-raised) when even that fails."""
+        try:
+            held = {id(b) for m in plan.managers for b in m.req_to_blocks.get(rid, ())}
+            stray = [b for kind, _journal, data in log if kind == POP for b in data
+                     if id(b) not in held and b.ref_cnt > 0]
+            if stray:
+                plan.manager.evict_blocks({b.block_id for b in stray})
+                plan.managers[0].block_pool.free_blocks(stray)
+            why = (f"request {rid} failed: its KV allocation raised {type(error).__name__}: "
+                   f"{error}, and undoing it raised {type(exc).__name__}: {exc}")
+            self._doomed.setdefault(plan.manager, {})[rid] = why
+        except Exception:
+            return False
+        report.count("contained", "allocate_slots")
+        logger.error("vllm-kvguard: %s; only this request is ended (%d stray block(s) "
+                     "returned to the pool)", why, len(stray))
+        return True
+
+    @hookimpl
+    def kvguard_after_schedule(self, scheduler, output):
+        if not self._doomed:
+            return
+        for rid, why in self._doomed.pop(scheduler.kv_cache_manager, {}).items():
+            try:
+                end_request(scheduler, rid, why, "kv_allocation", evict=True)
+            except Exception as exc:  # must not raise into vLLM's loop
+                report.count("internal_error", "rollback")
+                once(logging.ERROR, ("doomed-end", type(exc).__name__),
+                     "vllm-kvguard: could not end request %s (%s: %s)", rid,
+                     type(exc).__name__, exc)
 
     def disable(self, exc: Exception) -> None:
         """Fail open: an internal error turns rollback off in this process."""
