@@ -65,7 +65,7 @@ FINISHED = ("length", "stop")
 def make_prompts(spec: dict) -> list[list[int]]:
     rng = random.Random(spec["seed"])
     prompts = []
-    lens = spec["prompt_lens"] or [spec["prompt_len"] + (i % 4)
+    lens = spec.get("prompt_lens") or [spec["prompt_len"] + (i % 4)
                                    for i in range(spec["num_requests"])]
     for n in lens:
         if spec["repetitive"]:
