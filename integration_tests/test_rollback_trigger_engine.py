@@ -33,6 +33,7 @@ def spec(pool: int) -> dict:
 
 
 @pytest.mark.engine
+@pytest.mark.slow          # three engine runs: 74-86 s on 2 shared cores, near the 90 s line
 @pytest.mark.timeout(600)
 def test_an_external_hit_on_a_hybrid_kills_vllm_and_the_plugin_rolls_back():
     clean = run_in_subprocess(spec(POOL_SHORT_BY_ONE + 1), {}, timeout=240)
