@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata)
+                                                               KVConnectorMetadata,
+                                                               SupportsHMA)
 
 from vllm_kvguard.testing.kv_fixtures import (BLOCK_SIZE, accepted, attention_spec,
                                               kv_cache_config, make_vllm_config)
@@ -75,3 +76,18 @@ def make_connector_scheduler(*, defers: int, is_async: bool = False, matched_tok
         vllm_config=config, kv_cache_config=kcc,
         structured_output_manager=StructuredOutputManager(config), block_size=block_size,
         log_stats=False)))
+
+
+class HybridHitConnector(DeferringConnector, SupportsHMA):
+    """A hybrid-capable (``SupportsHMA``) connector that reports a synchronous external
+    hit of ``matched_tokens`` for every prompt longer than that, nothing for shorter ones.
+    Its worker side loads nothing: the hit blocks keep whatever the pool holds, so only
+    the scheduler's accounting of such a request is meaningful, never its outputs."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.num_prompt_tokens <= self.matched:
+            return 0, False
+        return max(0, self.matched - num_computed_tokens), False
+
+    def request_finished_all_groups(self, request, block_ids):
+        return False, None

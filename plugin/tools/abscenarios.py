@@ -105,6 +105,6 @@ def scenario_envs(sc: Scenario, settings: dict) -> tuple[dict, dict, str, str]:
 def workload_key(spec: dict) -> str:
     """What decides the greedy outputs (not the number of rounds)."""
     keep = ("model", "engine", "gpu_engine", "connector", "num_requests", "prompt_len",
-            "max_tokens", "seed", "repetitive", "multiprocess")
+            "prompt_lens", "max_tokens", "seed", "repetitive", "multiprocess")
     full = {**DEFAULTS, **spec}
     return json.dumps({k: full[k] for k in keep}, sort_keys=True)

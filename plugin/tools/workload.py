@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "gpu_engine": {},          # extra LLM(...) keyword arguments used only on CUDA-like GPUs
     "num_requests": 8,
     "prompt_len": 48,
+    "prompt_lens": None,       # one length per request (overrides num_requests, prompt_len)
     "max_tokens": 32,
     "seed": 0,
     "repetitive": True,        # prompts repeat a short pattern, so ngram drafting proposes
@@ -64,8 +65,9 @@ FINISHED = ("length", "stop")
 def make_prompts(spec: dict) -> list[list[int]]:
     rng = random.Random(spec["seed"])
     prompts = []
-    for i in range(spec["num_requests"]):
-        n = spec["prompt_len"] + (i % 4)
+    lens = spec.get("prompt_lens") or [spec["prompt_len"] + (i % 4)
+                                   for i in range(spec["num_requests"])]
+    for n in lens:
         if spec["repetitive"]:
             period = [rng.randrange(3, 1000) for _ in range(5)]
             ids = (period * (n // 5 + 1))[:n]
