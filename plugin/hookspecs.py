@@ -70,7 +70,8 @@ def kvguard_connector_meta_built(scheduler, connector):
 @hookspec
 def kvguard_after_schedule(scheduler, output):
     """After every ``Scheduler.schedule()`` returned ``output``: the audit (registered only
-    with ``KVGUARD_AUDIT=1``) and the liveness guard. Return value ignored. An
+    with ``KVGUARD_AUDIT=1``), the liveness guard, and the rollback (it ends a request
+    whose failed allocation could not be undone). Return value ignored. An
     implementation must not raise (ours log once and skip)."""
 
 
