@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvguard.flags import read_flags
+from vllm_kvguard.patches import select_patches
 from vllm_kvguard.tools.harness import run_in_subprocess
 from vllm_kvguard.tools.serve import REPORT_RE
 
@@ -60,8 +62,10 @@ def test_every_process_reports_and_wraps_with_flag_on(tmp_path):
     engine_core = [p for p in lines if p.startswith("EngineCore")]
     workers = [p for p in lines if "Worker" in p]
     assert "MainProcess" in lines and engine_core and workers, lines
+    every = ", ".join(p.name for p in select_patches(read_flags({"KVGUARD": "1"})))
+    assert {"allocator", "containment", "distributed"} <= set(every.split(", ")), every
     for line in lines.values():
-        assert "applied: allocator, warmup, cudagraph, admission, distributed; skipped: none" in line, line
+        assert f"applied: {every}; skipped: none" in line, line
     # Each process wraps the targets it loads: the scheduler's in EngineCore, the model
     # runner's in the worker; the front end loads neither.
     assert ALLOCATOR_TARGETS <= _wrapped_in_log(log, "EngineCore")
