@@ -33,7 +33,8 @@ def plan_runner(vllm_config, kv_cache_config):
         max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
         num_speculative_steps=k, decode_query_len=k + 1, is_pooling_model=False,
         is_encoder_decoder=False, model_state=SimpleNamespace(max_encoder_len=0),
-        block_tables=None, kv_block_zeroer=None, kv_connector=SimpleNamespace(set_disabled=lambda _d: None),
+        block_tables=None, kv_block_zeroer=None,
+        kv_connector=SimpleNamespace(set_disabled=lambda _d: None),
         is_last_pp_rank=True, adaptive_verification=None, rejection_sampler=None)
 
 
