@@ -4,6 +4,7 @@ tool and the CUDA-graph coverage planner build real engines and configs from the
 machine, offline, in seconds."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -34,13 +35,35 @@ MODELS = {"llama": LLAMA, "nemotron_h": NEMOTRON_H}
 
 
 def write_model(kind: str, directory: str | os.PathLike | None = None) -> str:
-    """Write ``kind``'s config.json into ``directory`` (a new temp dir if None); return it."""
+    """Write ``kind``'s config.json into ``directory`` and return it. Without a directory:
+    one shared directory per model content under the user's cache, written atomically, so
+    repeated runs (``kvguard plan``, the benchmarks) reuse it and leave nothing in /tmp."""
     if kind not in MODELS:
         raise ValueError(f"unknown tiny model {kind!r}; valid: {', '.join(MODELS)}")
-    path = Path(directory or tempfile.mkdtemp(prefix=f"kvguard-{kind}-"))
+    text = json.dumps(MODELS[kind], indent=1)
+    if directory is None:
+        return _shared(kind, text)
+    path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MODELS[kind], indent=1))
+    (path / "config.json").write_text(text)
     return str(path)
+
+
+def _shared(kind: str, text: str) -> str:
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = root / "vllm-kvguard" / "tiny-models" / f"{kind}-{digest}"
+    try:
+        config = path / "config.json"
+        if not (config.is_file() and config.read_text() == text):
+            path.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path, prefix=".config-")
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.replace(tmp, config)             # atomic: a concurrent reader sees old or new
+        return str(path)
+    except OSError:                             # no writable cache: a temp dir, as before
+        return write_model(kind, tempfile.mkdtemp(prefix=f"kvguard-{kind}-"))
 
 
 def engine_kwargs(model_dir: str, **overrides) -> dict:
