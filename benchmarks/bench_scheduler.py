@@ -30,6 +30,10 @@ Two figures, as on/off ratios side by side
 
     python benchmarks/bench_scheduler.py [--pairs 15] [--steps 24] [--instr-steps 4]
                                          [--warmup 16] [--no-instructions] [--no-cpu]
+                                         [--floor]
+
+    ``--floor`` adds a third counted side: the transaction without its record
+    (``_floor.py``), the least any record-taking design can cost.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ import sys
 import time
 
 import _cgcount
+import _floor
 
 BLOCK_SIZE = 16
 K = 3                       # ngram draft tokens
@@ -227,10 +232,11 @@ class Run:
 
 
 # ------------------------------------------------------------------ plugin on / off
-def set_plugin(on: bool) -> None:
+def set_plugin(on: bool, floor: bool = False) -> None:
     from vllm_kvguard import activation
 
     activation.deactivate()
+    _floor.set_floor(floor)
     if on:
         activation.activate({"KVGUARD": "1"})
 
@@ -255,7 +261,7 @@ def child_instructions(args) -> int:
     scheduler, warm-up uninstrumented, then ``--instr-steps`` steps counted."""
     summaries = []
     for side in args.child.split(","):
-        set_plugin(side == "on")
+        set_plugin(side in ("on", "floor"), floor=side == "floor")
         run = Run(args.requests, args.k, args.num_blocks, args.seed)
         run.steps(args.warmup)
         gc.collect()
@@ -278,6 +284,8 @@ def instructions(args) -> dict:
             "--num-blocks", str(args.num_blocks), "--seed", str(args.seed),
             "--warmup", str(args.warmup), "--instr-steps", str(args.instr_steps)]
     seqs = ["off", "on"] if args.separate else ["off,on,off"]
+    if args.floor:
+        seqs = ["off", "on", "floor"] if args.separate else ["off,on,floor,off"]
     try:
         return _instructions(args, d, base, seqs)
     finally:
@@ -290,7 +298,7 @@ def instructions(args) -> dict:
 def _instructions(args, d, base, seqs) -> dict:
     procs = [(seq, _cgcount.start(base + ["--child", seq], os.path.join(d, f"cg{i}.out")),
               os.path.join(d, f"cg{i}.out")) for i, seq in enumerate(seqs)]
-    res: dict = {"off": [], "on": [], "dir": d}
+    res: dict = {"off": [], "on": [], "floor": [], "dir": d}
     digests = set()
     for seq, proc, out in procs:
         result, counts = _cgcount.finish(proc, out, seq)
@@ -331,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--separate", action="store_true",
                     help="count off and on in two callgrind children (default: one child "
                          "counts off, on, off)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also count the transaction without its record (its cost floor)")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--keep-profiles", action="store_true",
                     help="keep the callgrind profiles (callgrind_annotate them)")
@@ -372,6 +382,10 @@ def main(argv=None) -> int:
                 a_, b_ = instr["off"]
                 spread = f"exact; off first {a_:,.0f} / last {b_:,.0f} ({b_ / a_ - 1:+.4%})"
             rows.append(("instructions/step", f"{off:,.0f}", f"{on:,.0f}", on / off, spread))
+            if instr["floor"]:
+                floor = statistics.fmean(instr["floor"])
+                rows.append(("  floor (no record)", f"{off:,.0f}", f"{floor:,.0f}", floor / off,
+                             "the transaction without its record (see _floor.py)"))
     if not args.no_cpu:
         sample(False, args, args.steps)                        # warm both paths
         sample(True, args, args.steps)
