@@ -58,9 +58,13 @@ def _shared(kind: str, text: str) -> str:
         if not (config.is_file() and config.read_text() == text):
             path.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path, prefix=".config-")
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-            os.replace(tmp, config)             # atomic: a concurrent reader sees old or new
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(text)
+                os.replace(tmp, config)         # atomic: a concurrent reader sees old or new
+            except OSError:
+                os.unlink(tmp)                  # no half-written file left in the cache
+                raise
         return str(path)
     except OSError:                             # no writable cache: a temp dir, as before
         return write_model(kind, tempfile.mkdtemp(prefix=f"kvguard-{kind}-"))
