@@ -32,8 +32,8 @@ Two figures, as on/off ratios side by side
                                          [--warmup 16] [--no-instructions] [--no-cpu]
                                          [--floor]
 
-    ``--floor`` adds a third counted side: the transaction without its record
-    (``_floor.py``), the least any record-taking design can cost.
+    ``--floor`` adds a third counted side: the same transaction with nothing to record
+    (``_floor.py``), what no cheaper per-group record can remove.
 """
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
                     help="count off and on in two callgrind children (default: one child "
                          "counts off, on, off)")
     ap.add_argument("--floor", action="store_true",
-                    help="also count the transaction without its record (its cost floor)")
+                    help="also count the transaction with nothing to record (its cost floor)")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--keep-profiles", action="store_true",
                     help="keep the callgrind profiles (callgrind_annotate them)")
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
             if instr["floor"]:
                 floor = statistics.fmean(instr["floor"])
                 rows.append(("  floor (no record)", f"{off:,.0f}", f"{floor:,.0f}", floor / off,
-                             "the transaction without its record (see _floor.py)"))
+                             "the transaction, nothing to record (_floor.py)"))
     if not args.no_cpu:
         sample(False, args, args.steps)                        # warm both paths
         sample(True, args, args.steps)
