@@ -47,7 +47,8 @@ def test_faults_kill_vllm_and_the_fix_completes_every_request_identically(case):
 @pytest.mark.timeout(600)
 def test_multiprocess_run_reports_the_faults_and_rollbacks_of_engine_core():
     # The injector and the rollbacks run in EngineCore, another process: the harness reads
-    # every process's counters (the snapshot files behind /metrics), not only its own.
+    # every process's counters (asked through vLLM's collective_rpc, as /metrics does), not
+    # only its own.
     spec = {"num_requests": 8, "max_tokens": 24, "multiprocess": True, **CASES["llama"]}
     fixed = run_in_subprocess(spec, {"KVGUARD": "1", "KVGUARD_FAULTS": FAULTS}, timeout=560)
     assert fixed["ok"] and fixed["completed"] == 8, fixed.get("error")

@@ -78,5 +78,8 @@ def test_ray_workers_name_themselves_and_match_the_driver(probe):
 def test_ray_workers_counts_reach_the_driver_and_no_directory_is_left(probe):
     answer, _log, tmp = probe
     assert answer["driver_totals"]["ray_probe"] == {"rank0": 1, "rank1": 1}
+    assert sorted(e["pid"] for e in answer["entries"]) == sorted(
+        s["pid"] for s in answer["after"]) and {e["role"] for e in answer["entries"]} == {
+        "worker"}
     assert {s["metrics_dir"] for s in answer["after"]} == {answer["driver_metrics_dir"]}
     assert not [p for p in tmp.iterdir() if p.name.startswith("kvguard-metrics-")]

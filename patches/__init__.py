@@ -12,7 +12,8 @@ patch                   module
 ``admission``           :mod:`vllm_kvguard.patches.admission` (refusal at the door; the
                         certificate comes from ``warmup``'s startup report)
 ``distributed``         :mod:`vllm_kvguard.patches.distributed` (``KVGUARD*`` variables
-                        travel to Ray workers; applied whenever the plugin is on)
+                        travel to Ray workers; the workers' counters come to the front
+                        end through ``collective_rpc``; applied whenever the plugin is on)
 ``containment``         :mod:`vllm_kvguard.patches.containment` (a KV connector's failure
                         ends only its request)
 ======================  =====================================================================

@@ -9,19 +9,27 @@ Targets
         worker (legacy ``RayExecutor``, and the Ray data-parallel EngineCore actors),
         through vLLM's exclusions and its log line. ``RayExecutorV2`` copies the whole
         driver environment itself (node-local values win) and needs nothing.
+    ``vllm.v1.engine.core.EngineCore.collective_rpc``
+        -> :func:`vllm_kvguard.remote.engine_reply` when asked for ``"kvguard_snapshot"``
+        (EngineCore's and every worker's counters); any other call passes unchanged.
+    ``AsyncLLM.__init__`` / ``LLMEngine.__init__``
+        -> :func:`vllm_kvguard.remote.attach`: the front end knows whom to ask.
 Why
     The plugin is configured by the environment; Ray workers on a cluster started
-    without ``KVGUARD`` would otherwise run with the plugin off, silently.
+    without ``KVGUARD`` would otherwise run with the plugin off, silently. Workers'
+    counters (on other nodes, too) reach ``/metrics`` through vLLM's own RPC path.
 Upstream
     none filed (vLLM's prefix list is fixed; ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``
     is the user's alternative).
 Remove when
-    vLLM copies plugin-declared variables to Ray workers.
+    vLLM copies plugin-declared variables to Ray workers (the env target), and lets a
+    plugin add its counters to the stats EngineCore sends the front end (the RPC targets).
 """
 from __future__ import annotations
 
 import os
 
+from vllm_kvguard import remote
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.manager import hook
 from vllm_kvguard.registry import Patch, Private, Target
@@ -44,6 +52,27 @@ def get_env_vars_to_copy(call: HostCall):
     return call()
 
 
+@hooked(NAME)
+def engine_collective_rpc(call: HostCall):
+    if call.arg(0, "method") == remote.METHOD:
+        return remote.engine_reply(call.instance)
+    return call()
+
+
+@hooked(NAME)
+def async_llm_init(call: HostCall):
+    result = call()
+    remote.attach(call.instance, is_async=True)
+    return result
+
+
+@hooked(NAME)
+def llm_engine_init(call: HostCall):
+    result = call()
+    remote.attach(call.instance, is_async=False)
+    return result
+
+
 def _setup(flags):
     from vllm_kvguard.fixes import worker_env
     from vllm_kvguard.manager import register
@@ -57,14 +86,23 @@ def _teardown():
     unregister("kvguard.worker_env")
 
 
-TARGETS = {f"{MODULE}.get_env_vars_to_copy"}
+CORE, ASYNC, SYNC = "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.engine.llm_engine"
+TARGETS = {f"{MODULE}.get_env_vars_to_copy", f"{CORE}.EngineCore.collective_rpc",
+           f"{ASYNC}.AsyncLLM.__init__", f"{SYNC}.LLMEngine.__init__"}
 
 PATCH = Patch(
     name=NAME,
-    summary="every KVGUARD* variable travels with vLLM to its Ray workers",
+    summary="every KVGUARD* variable travels with vLLM to its Ray workers; their "
+            "counters come back through vLLM's collective_rpc",
     targets=[Target(MODULE, "get_env_vars_to_copy", get_env_vars_to_copy,
-                    also_at=("vllm.v1.engine.utils", "vllm.v1.executor.ray_executor"))],
-    uses=(Private(MODULE, "get_env_vars_to_copy", ("additional_vars",)),),
+                    also_at=("vllm.v1.engine.utils", "vllm.v1.executor.ray_executor")),
+             Target(CORE, "EngineCore.collective_rpc", engine_collective_rpc),
+             Target(ASYNC, "AsyncLLM.__init__", async_llm_init),
+             Target(SYNC, "LLMEngine.__init__", llm_engine_init)],
+    uses=(Private(MODULE, "get_env_vars_to_copy", ("additional_vars",)),
+          Private(CORE, "EngineCore", ("model_executor",)),
+          Private(ASYNC, "AsyncLLM", ("collective_rpc", "errored")),
+          Private(SYNC, "LLMEngine", ("collective_rpc",))),
     vllm_versions=">=0.27.1,<0.34",
     upstream=(),
     remove_when="vLLM copies plugin-declared environment variables to Ray workers",

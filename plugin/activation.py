@@ -72,8 +72,9 @@ def _export_metrics() -> None:
     try:
         from vllm_kvguard import metrics, report
 
-        metrics.setup()
-        report.set_gauge("active_processes", {process.kind(): 1})
+        kind = process.kind()
+        metrics.setup(make_dir=kind != "worker")
+        report.set_gauge("active_processes", {kind: 1})
     except Exception as exc:  # fail open: metrics are a view, never a reason to stop
         logger.warning("vllm-kvguard: metrics export off (%s: %s)", type(exc).__name__, exc)
 

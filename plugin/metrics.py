@@ -14,16 +14,14 @@ the same registry. :func:`setup` registers one collector there (no HTTP server o
     processes with the plugin active, by role (``worker``: one per TP/PP rank)
 
 Counts happen where vLLM runs the code (EngineCore, workers); ``/metrics`` is served by the
-API server process. Each process that counts writes its :func:`report.snapshot` to
-``<KVGUARD_METRICS_DIR>/<pid>.json`` (gauges: ``<pid>.gauges``; atomically, at most once a second via a one-shot
-timer, and at exit); the directory is created by the first process that activates the
-plugin and inherited by the processes it starts (an internal variable, like vLLM's own
-``PROMETHEUS_MULTIPROC_DIR``). At scrape time the collector adds the other processes'
-files to its own live counters; a gauge file of a process that is gone is left out.
+front end, which adds the other processes' counters fetched through vLLM's own
+``collective_rpc`` (:mod:`vllm_kvguard.remote`) to its own. A process that is gone is
+simply not asked: its gauges disappear with it.
 
-The creator removes the directory at exit. A creator that is killed (SIGKILL, a Ray
-worker ended without exit handlers) cannot: the next process that creates one removes
-every ``kvguard-metrics-<pid>-*`` directory of the temp dir whose ``<pid>`` is gone.
+The directory ``KVGUARD_METRICS_DIR`` carries only the admission certificate from
+EngineCore to the front end on the same node. The first front-end process makes it
+(workers never do) and removes it at exit; a creator that was killed cannot, so the next
+one removes every ``kvguard-metrics-<pid>-*`` directory of the temp dir whose ``<pid>`` is gone.
 
 Limit: with ``--api-server-count`` > 1 vLLM serves only prometheus_client's multiprocess
 files, which this collector does not write; the counters are then in the logs only.
@@ -31,24 +29,21 @@ files, which this collector does not write; the counters are then in the logs on
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import tempfile
 import threading
-import time
 from collections import defaultdict
 
 ENV_DIR = "KVGUARD_METRICS_DIR"
-FLUSH_INTERVAL_S = 1.0
 FALLBACK_METRIC = "kvguard_cudagraph_fallbacks"
 EVENTS_METRIC = "kvguard_events"
-GAUGE_SUFFIX = ".gauges"
+REFRESH_METRIC = "kvguard_remote_refreshes"
 PREFIX = "kvguard-metrics-"
 
 _lock = threading.Lock()
 _state: dict = {"dir": None, "created": False, "collector": None, "registry": None,
-                "last_flush": 0.0, "timer": None, "atexit": False}
+                "atexit": False}
 
 
 FALLBACK_CATEGORY = "cudagraph_fallback"
@@ -67,7 +62,18 @@ class KvguardCollector:
         return self._families({})
 
     def collect(self):
-        return self._families(totals(), gauge_totals())
+        from vllm_kvguard import remote
+
+        others = remote.entries()
+        families = self._families(totals(others), gauge_totals(others))
+        refreshes = remote.refreshes()
+        if refreshes is not None:
+            from prometheus_client.core import CounterMetricFamily
+
+            families.append(CounterMetricFamily(
+                REFRESH_METRIC, "Completed fetches of the engine processes' vllm-kvguard "
+                "counters (vllm-kvguard)", value=float(refreshes)))
+        return families
 
     @staticmethod
     def _families(counts: dict, gauges: dict | None = None):
@@ -99,17 +105,20 @@ class KvguardCollector:
 GAUGE_LABELS = {"waiting_requests": "cause", "active_processes": "role"}
 
 
-def setup(registry=None) -> None:
-    """Create/inherit the snapshot directory and register the collector. Idempotent."""
+def setup(registry=None, make_dir: bool = True) -> None:
+    """Create/inherit the certificate directory (``make_dir``: this process may create
+    it; workers may not) and register the collector. Idempotent."""
     with _lock:
         if _state["collector"] is not None:
             return
         directory = os.environ.get(ENV_DIR)
-        if not directory or not os.path.isdir(directory):
+        if (not directory or not os.path.isdir(directory)) and make_dir:
             sweep_stale()
             directory = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
             os.environ[ENV_DIR] = directory
             _state["created"] = True
+        elif not directory or not os.path.isdir(directory):
+            directory = None
         _state["dir"] = directory
         if not _state["atexit"]:
             atexit.register(_at_exit)
@@ -122,9 +131,6 @@ def setup(registry=None) -> None:
         collector = KvguardCollector()
         registry.register(collector)
         _state["collector"], _state["registry"] = collector, registry
-    from vllm_kvguard import report
-
-    report.on_change(changed)
 
 
 def _alive(pid: int) -> bool:
@@ -168,119 +174,52 @@ def directory() -> str | None:
 
 
 def teardown() -> None:
-    """Unregister the collector, stop the timer, remove a directory this process made."""
-    from vllm_kvguard import report
+    """Unregister the collector, forget the engines, remove a directory this process made."""
+    from vllm_kvguard import remote
 
-    report.remove_listener(changed)
+    remote.reset()
     with _lock:
         if _state["collector"] is not None:
             try:
                 _state["registry"].unregister(_state["collector"])
             except KeyError:
                 pass
-        timer = _state["timer"]
-        if timer is not None:
-            timer.cancel()
-    if timer is not None and timer is not threading.current_thread():
-        timer.join(timeout=5)              # a flush already running finishes first
-    with _lock:
         if _state["created"] and _state["dir"]:
             shutil.rmtree(_state["dir"], ignore_errors=True)
             if os.environ.get(ENV_DIR) == _state["dir"]:
                 del os.environ[ENV_DIR]
-        _state.update(dir=None, created=False, collector=None, registry=None, timer=None,
-                      last_flush=0.0)
+        _state.update(dir=None, created=False, collector=None, registry=None)
 
 
-def changed() -> None:
-    """A counter changed: publish this process's snapshot within ``FLUSH_INTERVAL_S``."""
-    if _state["dir"] is None:
-        return
-    wait = FLUSH_INTERVAL_S - (time.monotonic() - _state["last_flush"])
-    if wait <= 0:
-        flush()
-        return
-    with _lock:
-        if _state["timer"] is None:
-            timer = threading.Timer(wait, _timer_flush)
-            timer.daemon = True
-            _state["timer"] = timer
-            timer.start()
+def totals(others: list[dict] | None = None) -> dict[str, dict[str, int]]:
+    """Counters of every process: this one's live state plus the others' entries
+    (``others``: :func:`vllm_kvguard.remote.entries`, fetched when not given)."""
+    from vllm_kvguard import remote, report
+
+    if others is None:
+        others = remote.entries()
+    return _merged(report.snapshot(), [e.get("counts") or {} for e in others])
 
 
-def _timer_flush() -> None:
-    with _lock:
-        _state["timer"] = None
-    flush()
+def gauge_totals(others: list[dict] | None = None) -> dict[str, dict[str, int]]:
+    """Gauges summed over every process that answers (each EngineCore's waiting requests
+    add up; a process that is gone no longer answers)."""
+    from vllm_kvguard import remote, report
+
+    if others is None:
+        others = remote.entries()
+    return _merged(report.gauges(), [e.get("gauges") or {} for e in others])
 
 
-def flush() -> None:
-    """Write this process's counters to ``<dir>/<pid>.json`` (atomic replace)."""
-    from vllm_kvguard import report
-
-    directory = _state["dir"]
-    _state["last_flush"] = time.monotonic()
-    if directory is None:
-        return
-    for data, suffix in ((report.snapshot(), ".json"), (report.gauges(), GAUGE_SUFFIX)):
-        if data:
-            _write(os.path.join(directory, f"{os.getpid()}{suffix}"), data)
-
-
-def _write(path: str, data: dict) -> None:
-    try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass                       # the directory went away (shutdown): nothing to publish
-
-
-def totals() -> dict[str, dict[str, int]]:
-    """Counters of every process: the other processes' files plus this one's live state."""
-    from vllm_kvguard import report
-
-    return _merged(".json", report.snapshot())
-
-
-def gauge_totals() -> dict[str, dict[str, int]]:
-    """Gauges summed over every process (each EngineCore's waiting requests add up)."""
-    from vllm_kvguard import report
-
-    return _merged(GAUGE_SUFFIX, report.gauges())
-
-
-def _merged(suffix: str, own_data: dict) -> dict[str, dict[str, int]]:
+def _merged(own: dict, others: list[dict]) -> dict[str, dict[str, int]]:
     merged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    directory = _state["dir"]
-    own = f"{os.getpid()}{suffix}"
-    if directory:
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            names = []
-        for name in names:
-            if not name.endswith(suffix) or name == own:
-                continue
-            pid = name[:-len(suffix)]
-            if suffix == GAUGE_SUFFIX and pid.isdigit() and not _alive(int(pid)):
-                continue                 # a current value of a process that is gone
-            try:
-                with open(os.path.join(directory, name)) as f:
-                    snap = json.load(f)
-            except (OSError, ValueError):
-                continue
-            for cat, reasons in snap.items():
-                for reason, n in reasons.items():
-                    merged[cat][reason] += int(n)
-    for cat, reasons in own_data.items():
-        for reason, n in reasons.items():
-            merged[cat][reason] += n
+    for snap in [own, *others]:
+        for cat, reasons in snap.items():
+            for reason, n in reasons.items():
+                merged[cat][reason] += int(n)
     return {cat: dict(r) for cat, r in merged.items()}
 
 
 def _at_exit() -> None:
-    flush()
     if _state["created"] and _state["dir"]:
         shutil.rmtree(_state["dir"], ignore_errors=True)

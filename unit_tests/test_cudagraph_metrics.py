@@ -1,8 +1,6 @@
 """Prometheus export: the collector in a prometheus_client registry, across processes."""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +9,7 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from vllm_kvguard import metrics, report  # noqa: E402
+from vllm_kvguard import metrics, remote, report  # noqa: E402
 from vllm_kvguard.fixes import fallbacks  # noqa: E402
 from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
@@ -44,72 +42,126 @@ def test_counts_and_other_categories(registry):
     assert 'kvguard_events_total{category="rollback",reason="ValueError"} 1.0' in out
 
 
-def in_another_process(directory: str, *lines: str) -> None:
-    """Run ``lines`` in a child that inherits the snapshot directory (a worker)."""
-    code = "\n".join(("from vllm_kvguard import metrics, report",
-                      "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())",
-                      *lines))
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   env={**os.environ, metrics.ENV_DIR: directory})
+class SyncEngine:
+    """Stands in for ``LLMEngine``: answers ``collective_rpc("kvguard_snapshot")`` the way
+    the patched EngineCore does (its reply, through vLLM's utility call)."""
+
+    def __init__(self, reply=None, error=None):
+        self.reply, self.error, self.asked = reply or [], error, 0
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == remote.METHOD
+        self.asked += 1
+        if self.error:
+            raise type(self.error)(*self.error.args)
+        return self.reply
 
 
-@contextlib.contextmanager
-def alive_in_another_process(directory: str, *lines: str):
-    """Like :func:`in_another_process`, the child staying alive inside the ``with``."""
-    code = "\n".join(("from vllm_kvguard import metrics, report",
-                      "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())",
-                      *lines, "print('ready', flush=True)", "input()"))
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, metrics.ENV_DIR: directory})
-    try:
-        assert child.stdout.readline().strip() == "ready"
-        yield child
-    finally:
-        child.communicate(input="\n", timeout=60)
+def other(pid, counts=None, gauges=None, role="worker"):
+    return {"pid": pid, "role": role, "counts": counts or {}, "gauges": gauges or {}}
 
 
-def test_other_processes_are_added(registry):
-    """A worker process (inherits KVGUARD_METRICS_DIR) counts; this process exports it."""
-    directory = os.environ[metrics.ENV_DIR]
-    in_another_process(directory, "report.count('cudagraph_fallback', 'non_uniform_drafts', 5)",
-                       "metrics.changed()")
-    files = [f for f in os.listdir(directory) if f.endswith(".json")]
-    assert len(files) == 1 and json.load(open(os.path.join(directory, files[0]))) == {
-        "cudagraph_fallback": {"non_uniform_drafts": 5}}
+def test_other_processes_are_added_and_asked_at_every_collection(registry):
+    engine = SyncEngine([other(101, {"cudagraph_fallback": {"non_uniform_drafts": 5}}),
+                         other(102, {"cudagraph_fallback": {"non_uniform_drafts": 2}})])
+    remote.attach(engine, is_async=False)
     report.count(fallbacks.CATEGORY, "non_uniform_drafts", 1)
     out = text(registry)
-    assert 'kvguard_cudagraph_fallbacks_total{reason="non_uniform_drafts"} 6.0' in out
+    assert 'kvguard_cudagraph_fallbacks_total{reason="non_uniform_drafts"} 8.0' in out
+    assert engine.asked == 1 and "kvguard_remote_refreshes" not in out   # no async engine
+    engine.reply = engine.reply[:1]                 # 102 is gone: its counts with it
+    assert metrics.totals()["cudagraph_fallback"] == {"non_uniform_drafts": 6}
 
 
 def test_gauges_are_replaced_not_added_and_summed_over_processes(registry):
-    """``kvguard_waiting_requests{cause}``: each process's current value (an EngineCore
-    writes ``<pid>.gauges``); the front end serves the sum."""
-    with alive_in_another_process(
-            os.environ[metrics.ENV_DIR],
-            "report.set_gauge('waiting_requests', {'kv_connector': 2, 'grammar': 0})",
-            "metrics.flush()"):
-        report.set_gauge("waiting_requests", {"kv_connector": 5})
-        report.set_gauge("waiting_requests", {"kv_connector": 1})      # replaced
-        out = text(registry)
+    """``kvguard_waiting_requests{cause}``: each process's current value; the front end
+    serves the sum over the processes that answer."""
+    engine = SyncEngine([other(101, gauges={"waiting_requests": {"kv_connector": 2,
+                                                                 "grammar": 0}})])
+    remote.attach(engine, is_async=False)
+    report.set_gauge("waiting_requests", {"kv_connector": 5})
+    report.set_gauge("waiting_requests", {"kv_connector": 1})      # replaced
+    out = text(registry)
     assert "# TYPE kvguard_waiting_requests gauge" in out
     assert 'kvguard_waiting_requests{cause="kv_connector"} 3.0' in out
     assert 'kvguard_waiting_requests{cause="grammar"} 0.0' in out
     assert "waiting_requests" not in metrics.totals()                  # not a counter
+    engine.reply = []                                                # that process is gone
+    assert metrics.gauge_totals() == {"waiting_requests": {"kv_connector": 1}}
 
 
-def test_flush_is_rate_limited_and_completed_by_a_timer(registry):
-    directory = os.environ[metrics.ENV_DIR]
-    own = os.path.join(directory, f"{os.getpid()}.json")
-    report.count(fallbacks.CATEGORY, "lora")
-    metrics.changed()                                      # first change: written at once
-    assert json.load(open(own))["cudagraph_fallback"]["lora"] == 1
-    report.count(fallbacks.CATEGORY, "lora")
-    metrics.changed()                                      # within the interval: deferred
-    timer = metrics._state["timer"]
-    assert timer is not None
-    timer.join(timeout=10)
-    assert json.load(open(own))["cudagraph_fallback"]["lora"] == 2
+def test_this_process_is_counted_once_and_a_dead_engine_adds_nothing(registry):
+    report.count("rollback", "ValueError")
+    live = SyncEngine([other(os.getpid(), {"rollback": {"ValueError": 1}}),
+                       other(7, {"rollback": {"ValueError": 2}}),
+                       other(7, {"rollback": {"ValueError": 2}})])
+    remote.attach(live, is_async=False)
+    dead = SyncEngine(error=RuntimeError("EngineDeadError"))
+    remote.attach(dead, is_async=False)
+    assert metrics.totals() == {"rollback": {"ValueError": 3}} and dead.asked == 1
+    del live                                        # an engine that was dropped is not asked
+    assert metrics.totals() == {"rollback": {"ValueError": 1}}
+
+
+class Executor:
+    def __init__(self, workers):
+        self.workers, self.calls = workers, []
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, timeout))
+        if isinstance(self.workers, Exception):
+            raise self.workers
+        return [method(w) for w in self.workers]
+
+
+class Core:
+    def __init__(self, executor):
+        self.model_executor = executor
+
+
+def test_engine_reply_is_engine_core_and_every_worker_once(monkeypatch):
+    entries = iter([other(11, {"a": {"b": 1}}), other(12, {"a": {"b": 2}})])
+    executor = Executor(["rank0", "rank1"])
+    monkeypatch.setattr(remote, "entry", lambda: next(entries, other(os.getpid())))
+    reply = remote.engine_reply(Core(executor))
+    assert [e["pid"] for e in reply] == [11, 12]       # EngineCore first, then rank 0
+    assert executor.calls == [(remote.worker_entry, remote.RPC_TIMEOUT_S)]
+
+
+def test_engine_reply_without_workers_keeps_engine_core(kvguard_log):
+    reply = remote.engine_reply(Core(Executor(TimeoutError("rank 1 gone"))))
+    assert [e["pid"] for e in reply] == [os.getpid()]
+    assert any("workers' counters could not be fetched (TimeoutError: rank 1 gone)" in m
+               for m in kvguard_log.lines())
+
+
+def test_an_async_engine_is_refreshed_on_its_loop_and_served_from_the_cache(registry):
+    import asyncio
+
+    class AsyncEngine:
+        errored = False
+
+        def __init__(self):
+            self.asked = 0
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.asked += 1
+            return [other(55, {"rollback": {"InjectedFault": self.asked}})]
+
+    async def main():
+        engine = AsyncEngine()
+        remote.attach(engine, is_async=True)           # inside the loop, like AsyncLLM
+        start = remote.refreshes()
+        while remote.refreshes() < start + 2:
+            await asyncio.sleep(0)                     # let the refresh task run
+        out = text(registry)                           # the collector never awaits
+        engine.errored = True
+        return engine, out
+
+    engine, out = asyncio.run(asyncio.wait_for(main(), 30))
+    assert engine.asked >= 2
+    assert 'kvguard_events_total{category="rollback",reason="InjectedFault"}' in out
+    assert "kvguard_remote_refreshes_total" in out
 
 
 def test_teardown_removes_what_it_created():
@@ -174,7 +226,7 @@ def test_a_killed_creators_directory_is_removed_at_the_next_start(tmp_path, monk
     monkeypatch.delenv(metrics.ENV_DIR, raising=False)
     code = ("from vllm_kvguard import metrics, report\n"
             "metrics.setup(registry=__import__('prometheus_client').CollectorRegistry())\n"
-            "report.count('rollback', 'ValueError'); metrics.flush()\n"
+            "report.count('rollback', 'ValueError')\n"
             "print(metrics.directory(), flush=True); input()\n")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True,
@@ -183,7 +235,7 @@ def test_a_killed_creators_directory_is_removed_at_the_next_start(tmp_path, monk
     try:
         stale = child.stdout.readline().strip()
         live = tempfile.mkdtemp(prefix=f"{metrics.PREFIX}{os.getppid()}-")  # alive: our parent
-        assert os.path.isdir(stale) and os.listdir(stale)
+        assert os.path.isdir(stale)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
@@ -197,13 +249,3 @@ def test_a_killed_creators_directory_is_removed_at_the_next_start(tmp_path, monk
     finally:
         metrics.teardown()
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(live)]
-
-
-def test_gauges_of_a_process_that_is_gone_are_left_out(registry):
-    directory = os.environ[metrics.ENV_DIR]
-    with alive_in_another_process(directory, "report.set_gauge('active_processes', "
-                                  "{'worker': 1})", "metrics.flush()"):
-        assert metrics.gauge_totals() == {"active_processes": {"worker": 1}}
-    assert metrics.gauge_totals() == {}            # its writer is gone: not current
-    report.set_gauge("active_processes", {"EngineCore": 1})
-    assert metrics.gauge_totals() == {"active_processes": {"EngineCore": 1}}

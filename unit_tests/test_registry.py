@@ -103,13 +103,16 @@ def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
     import vllm.ray.ray_env  # noqa: F401
     import vllm.v1.core.kv_cache_manager  # noqa: F401  (loaded, so wrapped at once)
     import vllm.v1.core.sched.scheduler  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
 
     activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
     lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
     assert len(lines) == 1
     assert "vLLM 0." in lines[0] and "applied: allocator" in lines[0]
     assert "applied: allocator, distributed; skipped: none" in lines[0]
-    assert "3 targets wrapped, 0 more when vLLM loads their module" in lines[0]
+    assert "6 targets wrapped, 0 more when vLLM loads their module" in lines[0]
 
 
 def test_register_never_raises(monkeypatch, kvguard_log):

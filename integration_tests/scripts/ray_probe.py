@@ -2,7 +2,8 @@
 plugin is switched on in this process (the one that would start vLLM's executor), and
 two of vLLM's own ``RayWorkerWrapper`` actors get the environment the way vLLM's
 ``RayExecutor`` gives it (``get_env_vars_to_copy`` + ``update_environment_variables``)
-and load plugins as ``init_worker`` does (``load_general_plugins``).
+and load plugins as ``init_worker`` does (``load_general_plugins``); their counters
+come back the way EngineCore fetches them, through the executor's ``collective_rpc``.
 
 Writes JSON to argv[1]: each actor's state before and after, and the driver's totals.
 Run as a script; argv[2]: Ray's temp dir (short: Ray puts sockets in it).
@@ -29,7 +30,6 @@ def after(wrapper):
     from vllm_kvguard import activation, metrics, process, report
 
     report.count("ray_probe", f"rank{wrapper.rpc_rank}")
-    metrics.flush()
     from vllm_kvguard.versions import vllm_version
 
     fl = activation.flags()
@@ -68,8 +68,17 @@ if __name__ == "__main__":
         envs = [{n: os.environ[n] for n in names if n in os.environ} for _ in workers]
         ray.get([w.update_environment_variables.remote(envs) for w in workers], timeout=60)
         answers = ray.get([w.execute_method.remote(after) for w in workers], timeout=180)
+        # what RayExecutor.collective_rpc sends for a callable (EngineCore's reply to
+        # "kvguard_snapshot" takes the workers' entries this way)
+        import cloudpickle
+
+        from vllm_kvguard import remote
+
+        sent = cloudpickle.dumps(remote.worker_entry)
+        entries = ray.get([w.execute_method.remote(sent) for w in workers], timeout=60)
         answer = {"before": states, "after": answers, "driver_pid": os.getpid(),
-                  "driver_totals": metrics.totals(), "driver_metrics_dir": metrics.directory()}
+                  "entries": entries, "driver_totals": metrics.totals(entries),
+                  "driver_metrics_dir": metrics.directory()}
         with open(sys.argv[1], "w") as f:
             json.dump(answer, f)
     finally:

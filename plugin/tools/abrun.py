@@ -234,7 +234,7 @@ def side_summary(runs: list[Side], repeat: int) -> dict:
                         else sum(f["preemptions"] for f in finals)),
         "coverage": next((k.get("coverage") for k in kv if k.get("coverage")), None),
         # with --multiprocess the fixes run in EngineCore: their counters arrive through
-        # the snapshot files (workload.counters_of_every_process), the coverage audit not
+        # vLLM's collective_rpc (workload.counters_of_every_process), the coverage audit not
         "engine_core_separate": bool(first.proc and first.proc.spec.get("multiprocess")),
         "stderr_tail": failed.final.get("stderr") if failed else None,
     }

@@ -38,6 +38,7 @@ HOST = "127.0.0.1"
 EVENTS_RE = re.compile(
     r'^kvguard_events_total\{category="([^"]*)",reason="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
 GAUGE_RE = re.compile(r'^kvguard_(\w+)\{\w+="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
+REFRESH_RE = re.compile(r"^kvguard_remote_refreshes_total\s+([0-9.eE+-]+)", re.M)
 REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(([^)]*), pid (\d+)\)(.*)")
 
 
@@ -176,18 +177,31 @@ class Server:
             raise RuntimeError(f"{self.name}: /metrics answered {status}")
         return text
 
-    def kvguard_counters(self, settle_s: float = 1.5) -> dict[str, dict[str, int]]:
-        """``kvguard_events_total`` from ``/metrics`` as ``{category: {reason: n}}``.
-        EngineCore publishes its counters at most once a second: wait ``settle_s`` first."""
-        return parse_events(self.settled_metrics_text(settle_s))
+    def kvguard_counters(self) -> dict[str, dict[str, int]]:
+        """``kvguard_events_total`` from ``/metrics`` as ``{category: {reason: n}}``."""
+        return parse_events(self.settled_metrics_text())
 
-    def settled_metrics_text(self, settle_s: float = 1.5) -> str:
-        """``/metrics`` once every process's snapshot (at most once a second) is in."""
-        time.sleep(settle_s)
-        return self.metrics_text()
+    def settled_metrics_text(self, deadline_s: float = 30.0) -> str:
+        """``/metrics`` once it holds a fetch of the engine's counters that started after
+        this call: the front end refreshes them every second (``kvguard_remote_refreshes``);
+        without the plugin, the first answer."""
+        text = self.metrics_text()
+        first = _refreshes(text)
+        end = time.monotonic() + deadline_s
+        while first is not None and time.monotonic() < end:
+            time.sleep(0.2)                     # polling a condition, with a deadline
+            text = self.metrics_text()
+            if (_refreshes(text) or 0) >= first + 2:
+                return text
+        return text
 
     def model_id(self) -> str:
         return self.model
+
+
+def _refreshes(text: str) -> int | None:
+    m = REFRESH_RE.search(text)
+    return int(float(m.group(1))) if m else None
 
 
 def parse_gauges(text: str) -> dict[str, dict[str, int]]:

@@ -311,15 +311,11 @@ def run(spec: dict) -> dict:
 
 def counters_of_every_process(multiprocess: bool) -> dict[str, dict[str, int]]:
     """The plugin's counters of this process and, with a multiprocess engine, of every
-    process it started (EngineCore, workers): the snapshot files they write into
-    ``KVGUARD_METRICS_DIR`` (:mod:`vllm_kvguard.metrics`, the same sum ``/metrics``
-    shows). A process publishes at most once a second, so wait that long first."""
+    process it started (EngineCore, workers), asked now through vLLM's ``collective_rpc``
+    (:mod:`vllm_kvguard.remote`, the same sum ``/metrics`` shows)."""
     from vllm_kvguard import metrics, report
 
-    if not multiprocess or metrics._state["dir"] is None:
-        return report.snapshot()
-    time.sleep(metrics.FLUSH_INTERVAL_S + 0.3)
-    return metrics.totals()
+    return metrics.totals() if multiprocess else report.snapshot()
 
 
 def faults_seen(counters: dict, error: str | None) -> int:
