@@ -21,7 +21,7 @@ def _empty_plan_for(self, manager):
     if plan is None:
         return None
     empty = copy.copy(plan)
-    empty.rtbs = empty.hot = empty.rare = empty.align = empty.sets = empty.record_ids = ()
+    empty.rtbs = empty.hot = empty.rare = empty.align = empty.record_ids = ()
     return empty
 
 

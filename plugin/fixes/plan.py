@@ -34,12 +34,11 @@ class Plan:
     ``rare``: those usually empty (``_partial_hit_reqs``, ``_producer_partial_tail_reqs``),
     read only when one is not; ``dicts``: ``hot + rare``; ``align``: per Mamba align group
     ``(group index, manager, _allocated_block_reqs, num_speculative_blocks, has pending
-    boundary offloads)``; ``sets``: their ``_allocated_block_reqs``; ``record_ids``:
-    managers that append to ``new_block_ids``.
+    boundary offloads)``; ``record_ids``: managers that append to ``new_block_ids``.
     """
 
     __slots__ = ("manager", "managers", "gids", "journal", "rtbs", "hot", "rare", "dicts",
-                 "align", "sets", "record_ids", "containers", "__weakref__")
+                 "align", "record_ids", "containers", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -66,7 +65,6 @@ class Plan:
         self.hot, self.rare = tuple(hot), tuple(rare)
         self.dicts = self.hot + self.rare
         self.align = tuple(align)
-        self.sets = tuple(g[2] for g in align)
         self.containers = tuple(containers)
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))

@@ -80,8 +80,8 @@ class Rollback:
         if plan is None:
             return None
         journal, recover = plan.journal, self.recover
-        rtbs, hot, rare, sets, record_ids = (plan.rtbs, plan.hot, plan.rare, plan.sets,
-                                             plan.record_ids)
+        rtbs, hot, rare, aligned, record_ids = (plan.rtbs, plan.hot, plan.rare, plan.align,
+                                                plan.record_ids)
 
         def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
                            new_computed_blocks=None, num_lookahead_tokens=0, *args, **kwargs):
@@ -90,7 +90,7 @@ class Rollback:
                           new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
             # Record the request's entries, in this frame (see Plan; undo.rollback reads
             # them back): block list and length per group, the dicts' values, per align
-            # group its set membership, the new-block-id counts.
+            # group its set membership, offload count and last table entries.
             try:
                 rid = request.request_id
                 lists, lens, vals = [], [], []
@@ -101,9 +101,13 @@ class Rollback:
                 for d in hot:
                     vals.append(d.get(rid))
                 rare_vals = [d.get(rid) for d in rare] if any(rare) else None
-                members, ids = [], []
-                for alloc in sets:
-                    members.append(rid in alloc)
+                align, ids = [], []
+                for i, m, alloc, nsb, offl in aligned:
+                    n = lens[i]
+                    align.append((rid in alloc,
+                                  len(m._pending_boundary_state_offloads) if offl else 0,
+                                  lists[i][n - nsb if n > nsb else 0:n] if nsb and n > 0
+                                  else ()))
                 for m in record_ids:
                     ids.append(len(m.new_block_ids))
             except Exception as exc:
@@ -120,7 +124,7 @@ class Rollback:
                           new_computed_blocks, num_lookahead_tokens)
             except Exception as error:
                 journal.log = None
-                rec = (lists, lens, vals, rare_vals, members, ids)
+                rec = (lists, lens, vals, rare_vals, align, ids)
                 return recover(plan, rec, log, rid, request, error)
             finally:
                 journal.log = None

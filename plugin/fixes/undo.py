@@ -37,10 +37,10 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
     changed = any(data[0] if kind == TOUCH else data for kind, _, data in log)
 
     # Validate before changing anything.
-    lists, lens, vals, rare_vals, members, id_lens = rec
+    lists, lens, vals, rare_vals, align_rec, id_lens = rec
     vals = vals + (rare_vals if rare_vals is not None else [None] * len(plan.rare))
     relocs = []
-    nsbs = {g[0]: g[3] for g in plan.align}
+    windows = {g[0]: r[2] for g, r in zip(plan.align, align_rec)}
     for i, (rtb, blocks, n) in enumerate(zip(plan.rtbs, lists, lens)):
         cur = rtb.get(rid)
         relocated = []
@@ -52,16 +52,17 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
             raise RollbackFailed("a request's block list was replaced during the call")
         appended = blocks[n:]
         changed = changed or bool(appended)
-        # A block no pool operation gave out is a Mamba align speculative block the
-        # call moved to the end: the first ones of the last num_speculative_blocks
-        # entries, in order, each leaving a null block behind.
-        moved = [b for b in appended if not b.is_null and id(b) not in pooled]
-        start = n - nsbs.get(i, 0)
-        if moved and (start < 0 or len(moved) > n - start or not all(
-                blocks[start + t].is_null for t in range(len(moved)))):
-            raise RollbackFailed(f"block {moved[0].block_id} joined a request list without "
-                                 f"a logged pool operation")
-        relocated.extend(zip(range(start, start + len(moved)), moved))
+        window = windows.get(i, ())
+        if window:
+            appended_ids = {id(b) for b in appended}
+            for j, orig in enumerate(window, start=n - len(window)):
+                if blocks[j] is not orig and id(orig) in appended_ids:
+                    relocated.append((j, orig))     # moved to the end by the call
+        known = pooled | {id(orig) for _, orig in relocated}
+        for b in appended:
+            if not b.is_null and id(b) not in known:
+                raise RollbackFailed(f"block {b.block_id} joined a request list without "
+                                     f"a logged pool operation")
     if log and journal.queue.num_free_blocks + returning != journal.free_at_start:
         raise RollbackFailed("the free queue changed outside the logged operations")
 
@@ -98,19 +99,13 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
                 d.pop(rid, None)
             else:
                 d[rid] = value
-    # Boundary-state offloads the call queued: the request's, for a block it popped or
-    # cached.
-    fresh = popped | {id(b) for kind, _, data in log if kind == CACHE for b in data}
-    for (_, m, alloc, _, has_offl), member in zip(plan.align, members):
+    for (_, m, alloc, _, has_offl), (member, n_offl, _) in zip(plan.align, align_rec):
         changed = changed or (rid in alloc) != member
         (alloc.add if member else alloc.discard)(rid)
         if has_offl:
             offl = m._pending_boundary_state_offloads
-            k = len(offl)
-            while k and offl[k - 1][0] == rid and id(offl[k - 1][2]) in fresh:
-                k -= 1
-            changed = changed or k != len(offl)
-            del offl[k:]
+            changed = changed or len(offl) != n_offl
+            del offl[n_offl:]
 
     # The pool, newest operation first.
     for kind, owner, data in reversed(log):
