@@ -10,13 +10,14 @@ ratio (on ops/s / off ops/s, ops = allocate_slots + free calls, CPU time of this
 process); the median pair ratio is printed with ops/s. Target >= 0.95, stretch 0.98.
 "On" is the allocator patch as installed (its one Python transaction).
 
-``--instructions`` counts instead, exactly, the instructions of one replay with the patch
-off and on under callgrind (one child process: for each lookahead, a replay off and on
-uninstrumented to warm up, then replays off, on, off on fresh managers, each counted
-alone; see ``_cgcount.py``), and prints on/off (target <= 1.03, i.e. >= 0.97x).
+``--instructions`` counts instead, exactly, the instructions of one replay per lookahead
+with the patch off and on under callgrind: each side in a child process of its own, once
+per heap layout (``--layouts``; see ``_cgcount.py``), a replay uninstrumented to warm up,
+then one counted on a fresh manager; it prints on/off per layout and of the means (target
+<= 1.03, i.e. >= 0.97x).
 
     python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
-                                         [--instructions]
+                                         [--instructions [--layouts 5]]
 """
 from __future__ import annotations
 
@@ -125,20 +126,19 @@ def timed(sequence, lookahead: int, patched: bool, num_blocks: int) -> float:
 
 
 def child_instructions(args, sequence, num_blocks: int) -> int:
-    """In a callgrind child: per lookahead, warm both paths uninstrumented, then count
-    one replay per side of ``--child`` (e.g. ``off,on,off``), each on a fresh manager."""
+    """In a callgrind child: the heap layout shifted, then per lookahead a replay with the
+    side of ``--child`` uninstrumented (warm-up) and one counted, each on a fresh manager."""
+    _cgcount.shift_layout(args.layout)
     ops = []
     for lookahead in (2, 4):
-        timed(sequence, lookahead, False, num_blocks)           # warm both paths
-        timed(sequence, lookahead, True, num_blocks)
-        for side in args.child.split(","):
-            set_patch(side == "on")
-            try:
-                manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
-                gc.collect()
-                ops.append(_cgcount.region(replay, manager, sequence, lookahead))
-            finally:
-                activation.deactivate()
+        timed(sequence, lookahead, args.child == "on", num_blocks)      # warm-up
+        set_patch(args.child == "on")
+        try:
+            manager = hybrid_manager(num_blocks, enable_caching=True, max_model_len=4096)
+            gc.collect()
+            ops.append(_cgcount.region(replay, manager, sequence, lookahead))
+        finally:
+            activation.deactivate()
     _cgcount.emit(dict(regions=len(ops), ops=ops))
     return 0
 
@@ -148,33 +148,27 @@ def instructions(args, form: str) -> int:
     if why:
         print(f"instructions: not counted ({why})")
         return 1
-    sides = ["off", "on", "off"]
-    d = _cgcount.tmpdir()
     argv = [os.path.abspath(__file__), "--requests", str(args.requests), "--steps",
-            str(args.steps), "--batch", str(args.batch), "--child", ",".join(sides)]
+            str(args.steps), "--batch", str(args.batch)]
+    layouts = _cgcount.LAYOUTS[:args.layouts]
     t0 = time.monotonic()
-    try:
-        result, counts = _cgcount.finish(_cgcount.start(argv, os.path.join(d, "cg.out")),
-                                         os.path.join(d, "cg.out"), "allocator")
-    finally:
-        _cgcount.cleanup(d)
-    print(f"instructions: callgrind, one replay per side ({result['ops'][0]} allocate_slots "
-          f"+ free calls), one child process counting off, on, off per lookahead on fresh "
-          f"managers ({time.monotonic() - t0:.0f} s); transaction: {form}")
+    done = _cgcount.count_each(argv, ["off", "on"], layouts)
+    ops = done[("off", layouts[0])][0]["ops"]
+    print(f"instructions: callgrind, one replay per lookahead ({ops[0]} allocate_slots + free "
+          f"calls), each side in its own child under {len(layouts)} heap layout(s) "
+          f"({time.monotonic() - t0:.0f} s); transaction: {form}")
     print(f"{'':14} {'off Ir':>14} {'on Ir':>14} {'on/off':>8} {'Ir/op off':>10} "
-          f"{'Ir/op on':>10}  off first/last")
+          f"{'Ir/op on':>10}  per-layout on/off")
     worst = None
     for i, lookahead in enumerate((2, 4)):
-        c = dict(off=[], on=[])
-        ops = result["ops"][i * len(sides)]
-        for side, n in zip(sides, counts[i * len(sides):(i + 1) * len(sides)]):
-            c[side].append(n)
-        off, on = statistics.fmean(c["off"]), statistics.fmean(c["on"])
-        ratio = on / off
+        off = [done[("off", n)][1][i] for n in layouts]
+        on = [done[("on", n)][1][i] for n in layouts]
+        m_off, m_on = statistics.fmean(off), statistics.fmean(on)
+        ratio = m_on / m_off
         worst = ratio if worst is None else max(worst, ratio)
-        print(f"lookahead {lookahead:<4} {off:>14,.0f} {on:>14,.0f} {ratio:8.4f} "
-              f"{off / ops:>10,.0f} {on / ops:>10,.0f}  "
-              f"{c['off'][1] / c['off'][0] - 1:+.4%}")
+        print(f"lookahead {lookahead:<4} {m_off:>14,.0f} {m_on:>14,.0f} {ratio:8.4f} "
+              f"{m_off / ops[i]:>10,.0f} {m_on / ops[i]:>10,.0f}  "
+              + " ".join(f"{b / a:.4f}" for a, b in zip(off, on)))
     verdict = "PASS" if worst <= 1.03 else "MISS"
     print(f"{verdict}: allocator replay with the patch at {1 / worst:.4f}x the unpatched one "
           f"in instructions (worst on/off {worst:.4f}; target >= 0.97x, on/off <= 1.03)")
@@ -190,7 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions of one replay off and on under callgrind "
                          "instead of timing")
+    ap.add_argument("--layouts", type=int, default=len(_cgcount.LAYOUTS),
+                    choices=range(1, len(_cgcount.LAYOUTS) + 1),
+                    help="with --instructions: heap layouts each side is counted under")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     form = "one Python transaction"
     sequence = make_sequence(args.requests, args.steps, args.batch)

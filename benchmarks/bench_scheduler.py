@@ -20,20 +20,17 @@ What is measured
 
 Two figures, as on/off ratios side by side
     * instructions per step, exact: a few steps after the warm-up counted by callgrind
-      (see ``_cgcount.py``: only those steps are counted), in one child process that
-      counts off, on, off on fresh schedulers (``--separate``: off and on in two
-      children);
+      (``_cgcount.py``), each side in a child process of its own, once per heap layout
+      (``--layouts``; a layout alone moves the count by up to 0.7%): the ratio per
+      layout, and of the means;
     * CPU time per step (``time.process_time``) over interleaved off/on pairs: the
       median pair ratio and its spread.
     Target: the scheduler step with the plugin at >= 0.99x the unpatched one, i.e.
     instructions on/off <= 1.01.
 
     python benchmarks/bench_scheduler.py [--pairs 15] [--steps 24] [--instr-steps 4]
-                                         [--warmup 16] [--no-instructions] [--no-cpu]
-                                         [--floor]
-
-    ``--floor`` adds a third counted side: the same transaction with nothing to record
-    (``_floor.py``), what no cheaper per-group record can remove.
+                                         [--warmup 16] [--layouts 5] [--no-instructions]
+                                         [--no-cpu]
 """
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ import sys
 import time
 
 import _cgcount
-import _floor
 
 BLOCK_SIZE = 16
 K = 3                       # ngram draft tokens
@@ -232,11 +228,10 @@ class Run:
 
 
 # ------------------------------------------------------------------ plugin on / off
-def set_plugin(on: bool, floor: bool = False) -> None:
+def set_plugin(on: bool) -> None:
     from vllm_kvguard import activation
 
     activation.deactivate()
-    _floor.set_floor(floor)
     if on:
         activation.activate({"KVGUARD": "1"})
 
@@ -257,55 +252,33 @@ def sample(on: bool, args, n_steps: int) -> tuple[float, dict]:
 
 # ------------------------------------------------------------------ instruction counts
 def child_instructions(args) -> int:
-    """In a callgrind child: for each side of ``--child`` (e.g. ``off,on,off``), a fresh
-    scheduler, warm-up uninstrumented, then ``--instr-steps`` steps counted."""
-    summaries = []
-    for side in args.child.split(","):
-        set_plugin(side in ("on", "floor"), floor=side == "floor")
-        run = Run(args.requests, args.k, args.num_blocks, args.seed)
-        run.steps(args.warmup)
-        gc.collect()
-        _cgcount.region(run.steps, args.instr_steps)
-        summaries.append(run.summary())
-        set_plugin(False)
-    _cgcount.emit(dict(regions=len(summaries), summaries=summaries))
+    """In a callgrind child: the heap layout shifted, the side set, a fresh scheduler
+    warmed up uninstrumented, then ``--instr-steps`` steps counted."""
+    _cgcount.shift_layout(args.layout)
+    set_plugin(args.child == "on")
+    run = Run(args.requests, args.k, args.num_blocks, args.seed)
+    run.steps(args.warmup)
+    gc.collect()
+    _cgcount.region(run.steps, args.instr_steps)
+    _cgcount.emit(dict(regions=1, summary=run.summary()))
     return 0
 
 
 def instructions(args) -> dict:
-    """Instructions per counted step, {"off": [...], "on": [...], "summary": ...}.
-
-    Default: ONE callgrind child counts off, on, off (each on a fresh scheduler after
-    the same warm-up): vLLM's import under valgrind costs ~100 s of CPU, paid once; the
-    two "off" counts show what running first or later in the process changes.
-    ``--separate``: two children run side by side, one "off", one "on"."""
-    d = _cgcount.tmpdir()
-    base = [os.path.abspath(__file__), "--requests", str(args.requests), "--k", str(args.k),
+    """Instructions per counted step: {"off": [per layout], "on": [...], "summary": ...}."""
+    argv = [os.path.abspath(__file__), "--requests", str(args.requests), "--k", str(args.k),
             "--num-blocks", str(args.num_blocks), "--seed", str(args.seed),
             "--warmup", str(args.warmup), "--instr-steps", str(args.instr_steps)]
-    seqs = ["off", "on"] if args.separate else ["off,on,off"]
-    if args.floor:
-        seqs = ["off", "on", "floor"] if args.separate else ["off,on,floor,off"]
-    try:
-        return _instructions(args, d, base, seqs)
-    finally:
-        if not args.keep_profiles:
-            _cgcount.cleanup(d)
-        else:
-            print(f"callgrind profiles kept in {d}")
-
-
-def _instructions(args, d, base, seqs) -> dict:
-    procs = [(seq, _cgcount.start(base + ["--child", seq], os.path.join(d, f"cg{i}.out")),
-              os.path.join(d, f"cg{i}.out")) for i, seq in enumerate(seqs)]
-    res: dict = {"off": [], "on": [], "floor": [], "dir": d}
+    layouts = _cgcount.LAYOUTS[:args.layouts]
+    done = _cgcount.count_each(argv, ["off", "on"], layouts)
+    res: dict = {"off": [], "on": [], "layouts": layouts}
     digests = set()
-    for seq, proc, out in procs:
-        result, counts = _cgcount.finish(proc, out, seq)
-        for side, count, summ in zip(seq.split(","), counts, result["summaries"]):
+    for n in layouts:
+        for side in ("off", "on"):
+            result, (count,) = done[(side, n)]
             res[side].append(count / args.instr_steps)
-            res["summary"] = summ
-            digests.add(summ["digest"])
+            res["summary"] = result["summary"]
+            digests.add(result["summary"]["digest"])
     if len(digests) != 1:
         raise RuntimeError("off and on scheduled different work (step fingerprints differ)")
     return res
@@ -336,15 +309,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-instructions", action="store_true", help="skip the callgrind counts")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU-time pairs")
-    ap.add_argument("--separate", action="store_true",
-                    help="count off and on in two callgrind children (default: one child "
-                         "counts off, on, off)")
-    ap.add_argument("--floor", action="store_true",
-                    help="also count the transaction with nothing to record (its cost floor)")
+    ap.add_argument("--layouts", type=int, default=len(_cgcount.LAYOUTS),
+                    choices=range(1, len(_cgcount.LAYOUTS) + 1),
+                    help="heap layouts each side is counted under (one child each)")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
-    ap.add_argument("--keep-profiles", action="store_true",
-                    help="keep the callgrind profiles (callgrind_annotate them)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quiet(args.verbose)
     if args.child:
@@ -369,23 +339,17 @@ def main(argv=None) -> int:
             instr = instructions(args)
             s = instr["summary"]
             off, on = statistics.fmean(instr["off"]), statistics.fmean(instr["on"])
-            how = ("off and on in two child processes" if args.separate else
-                   "one child process, off/on/off on fresh schedulers")
+            per = [b / a for a, b in zip(instr["off"], instr["on"])]
             print(f"instructions: callgrind, {args.instr_steps} steps after the warm-up, "
-                  f"{how} ({time.monotonic() - t0:.0f} s); by the end of those steps: "
+                  f"each side in its own child under {len(per)} heap layout(s) "
+                  f"({time.monotonic() - t0:.0f} s); by the end of those steps: "
                   f"{s['steps']} steps, {s['tokens']} tokens scheduled, {s['drafts']} drafts "
                   f"/ {s['accepted']} accepted, {s['admitted']} admitted, {s['finished']} "
                   f"finished, {s['preempted']} preempted, {s['running']} running; "
                   f"identical work off/on")
-            spread = "exact"
-            if len(instr["off"]) > 1:
-                a_, b_ = instr["off"]
-                spread = f"exact; off first {a_:,.0f} / last {b_:,.0f} ({b_ / a_ - 1:+.4%})"
-            rows.append(("instructions/step", f"{off:,.0f}", f"{on:,.0f}", on / off, spread))
-            if instr["floor"]:
-                floor = statistics.fmean(instr["floor"])
-                rows.append(("  floor (no record)", f"{off:,.0f}", f"{floor:,.0f}", floor / off,
-                             "the transaction, nothing to record (_floor.py)"))
+            rows.append(("instructions/step", f"{off:,.0f}", f"{on:,.0f}", on / off,
+                         "exact per layout; per-layout ratios " +
+                         " ".join(f"{r:.4f}" for r in per)))
     if not args.no_cpu:
         sample(False, args, args.steps)                        # warm both paths
         sample(True, args, args.steps)

@@ -11,7 +11,9 @@ Run-time changes
     transaction as an instance attribute, so later calls skip wrapt, ``HostCall`` and
     pluggy (``allocate_slots`` runs once per scheduled request per step). Any other
     registration, a trip, or revert removes them all.
-    ``BlockPool`` methods per pool: the journal's logging shadows (:mod:`.fixes.journal`).
+    ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.journal`): its
+    ``metrics_collector`` (wrapping vLLM's own, if any), ``touch`` and
+    ``_insert_block_hash``.
 Why
     ``allocate_slots`` checks the budget once, then mutates group by group; a wrong
     estimate for one group raises ``ValueError("Cannot get N free blocks")`` half-way and
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 from vllm_kvguard import hostcall
 from vllm_kvguard import manager as plugins
-from vllm_kvguard.fixes.journal import NAMES as POOL_METHODS
 from vllm_kvguard.hostcall import HostCall, first_result, hooked
 from vllm_kvguard.registry import InstanceAttr, Patch, Private, Target
 
@@ -36,11 +37,16 @@ STM = "vllm.v1.core.single_type_kv_cache_manager"
 
 FAST_PATH = InstanceAttr(KV_MANAGER, "KVCacheManager", "allocate_slots",
                          "the manager's transaction, called without wrapt and pluggy")
-POOL_SHADOWS = {name: InstanceAttr("vllm.v1.core.block_pool", "BlockPool", name,
-                                   "logs the pool operation during a transaction",
-                                   required=name in ("get_new_blocks", "touch",
-                                                     "cache_full_blocks"))
-                for name in POOL_METHODS}
+POOL = "vllm.v1.core.block_pool"
+POOL_SEAMS = {
+    "metrics_collector": InstanceAttr(POOL, "BlockPool", "metrics_collector",
+                                      "logs each block get_new_blocks hands out (and "
+                                      "reports it to vLLM's own collector)", overwrite=True),
+    "touch": InstanceAttr(POOL, "BlockPool", "touch",
+                          "logs each touched block's ref count and free-queue place"),
+    "_insert_block_hash": InstanceAttr(POOL, "BlockPool", "_insert_block_hash",
+                                       "logs each block that gains a prefix-cache hash"),
+}
 
 
 class _State:
@@ -55,8 +61,10 @@ def _sole_fix() -> bool:
 
 
 def _recheck() -> None:
-    """A registration changed (or the patch tripped): choose the path again."""
-    _State.fast = _State.fix is not None and not hostcall.tripped(NAME) and _sole_fix()
+    """A registration changed (or the patch tripped, or rollback turned itself off):
+    choose the path again."""
+    _State.fast = (_State.fix is not None and not _State.fix.disabled
+                   and not hostcall.tripped(NAME) and _sole_fix())
     if not _State.fast:
         for m in FAST_PATH.objects():
             FAST_PATH.unset(m)
@@ -97,7 +105,7 @@ def _notify(**kwargs) -> None:
 def _setup(flags):
     from vllm_kvguard.fixes import liveness, rollback
 
-    _State.fix = rollback.Rollback(POOL_SHADOWS, notify=_notify)
+    _State.fix = rollback.Rollback(POOL_SEAMS, notify=_notify, on_disable=_recheck)
     plugins.register(_State.fix, "kvguard.rollback")
     plugins.register(liveness.Liveness(flags.liveness_steps if flags else 64),
                      "kvguard.liveness")
@@ -127,9 +135,11 @@ PATCH = Patch(
         Target(KV_MANAGER, "KVCacheManager.allocate_slots", allocate_slots),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.schedule", schedule),
     ],
-    changes=(FAST_PATH, *POOL_SHADOWS.values()),
+    changes=(FAST_PATH, *POOL_SEAMS.values()),
     uses=(
-        Private("vllm.v1.core.block_pool", "BlockPool", ("_maybe_evict_cached_block",)),
+        Private(POOL, "BlockPool", ("_maybe_evict_cached_block", "_insert_block_hash")),
+        Private("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector",
+                ("on_block_allocated", "on_block_evicted", "on_block_accessed", "reset")),
         Private(STM, "SingleTypeKVCacheManager", ("_partial_hit_reqs",)),
         Private(STM, "SingleTypeKVCacheManager", ("_record_new_block_ids",)),
         Private(STM, "FullAttentionManager", ("_pending_cow_copies",)),

@@ -57,8 +57,9 @@ def test_the_registry_lists_every_change_and_revert_restores_each_object():
     rows = [(p.name, kind, name, obj) for p in ALL_PATCHES for kind, name, obj in p.inventory()]
     on_objects = {(kind, name.rsplit(".", 1)[-1]) for _p, kind, name, obj in rows
                   if obj is manager or obj is pool}
-    assert {("instance attribute", a) for a in ("allocate_slots", "get_new_blocks", "touch",
-                                                "cache_full_blocks")} <= on_objects
+    assert {("instance attribute", a) for a in ("allocate_slots", "touch", "_insert_block_hash",
+                                                "metrics_collector")} <= on_objects
+    assert pool.metrics_collector is not None          # vLLM's own value (None) overwritten
     # Nothing undeclared: every attribute the live objects have beyond vLLM's own is listed.
     declared = {(id(obj), name.rsplit(".", 1)[-1]) for _p, _k, name, obj in rows}
     for label, obj in (("manager", manager), ("pool", pool), ("scheduler", sched)):
@@ -72,6 +73,7 @@ def test_the_registry_lists_every_change_and_revert_restores_each_object():
     assert [r for p in ALL_PATCHES for r in p.inventory()] == []
     assert set(vars(manager)) == plain_keys["manager"]
     assert set(vars(pool)) == plain_keys["pool"]
+    assert pool.metrics_collector is None              # vLLM's own value back
     assert set(vars(sched)) == plain_keys["scheduler"]
     for (parent, attr), raw in classes.items():
         assert vars(parent).get(attr) is raw, f"{parent.__name__}.{attr} not restored"

@@ -277,14 +277,16 @@ def test_rolled_back_hook_names_the_group(kvguard_log):
 
 
 # ------------------------------------------------------------------------- the machinery
-def test_fast_path_and_pool_shadows_are_removed_on_deactivate():
+def test_fast_path_and_pool_seams_are_removed_on_deactivate():
     activate()
     m, run = cached_prefix_manager()
     assert "allocate_slots" in vars(m)                   # per-instance fast path
-    assert "get_new_blocks" in vars(m.block_pool)
+    assert {"touch", "_insert_block_hash"} <= set(vars(m.block_pool))
+    assert m.block_pool.metrics_collector is not None    # the journal's collector
     activation.deactivate()
     assert "allocate_slots" not in vars(m)
-    assert "get_new_blocks" not in vars(m.block_pool)
+    assert not {"touch", "_insert_block_hash"} & set(vars(m.block_pool))
+    assert m.block_pool.metrics_collector is None        # vLLM's own value again
     assert decode(m, run) is not None                    # vLLM runs as before
 
 

@@ -1,147 +1,103 @@
-"""The pool journal: a log of what one ``allocate_slots`` call does to its ``BlockPool``.
+"""The pool journal: what one ``allocate_slots`` call did to its ``BlockPool``.
 
-A rollback must put back exactly the blocks, ref counts, free-queue positions and cache
-hashes the call changed, and nothing else. The journal shadows five ``BlockPool``
-methods on the pool object (declared instance attributes of the allocator patch); while
-``log`` is a list each shadow records its operation, otherwise it is one test and the
-class's own method. The shadows call ``type(pool)``'s attribute each time, so class-level
-wrappers applied later (the fault injector) still run.
+A rollback gives back the blocks the call took, restores the ref counts and free-queue
+places of the blocks it touched and forgets the prefix-cache hashes it set. The journal
+sees the pool through three seams, declared instance attributes of the allocator patch:
+
+* ``metrics_collector``: vLLM reports each block ``get_new_blocks`` hands out, in pop
+  order; ours reports it into the log with ``list.append`` itself (no Python frame on
+  the hot path) and passes every report on to vLLM's own collector when there is one;
+* ``touch``: logs each touched block with its ref count and free-queue predecessor;
+* ``_insert_block_hash``: logs each block that gains a hash (full, partial or moved).
+
+The log is one list per pool. A transaction empties it as it starts, so after a failure
+it holds that call's operations, in order: a popped block as itself, the rest as tuples.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import operator
 
-POP, TOUCH, CACHE, MOVE = range(4)
-NAMES = ("get_new_blocks", "touch", "cache_full_blocks", "cache_partial_block",
-         "move_block_hashes")
-_MISSING = object()
-_NO_KWARGS: dict = {}                  # never written: ``**`` unpacks it, nobody stores it
+TOUCH, HASHED = "touch", "hashed"
 _ref_and_prev = operator.attrgetter("ref_cnt", "prev_free_block")
+#: ``_insert_block_hash``'s parameters after ``self`` (the shadow has the same ones).
+INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
 
 
-@functools.lru_cache(maxsize=64)
-def _params(func) -> tuple[tuple[str, ...], tuple] | None:
-    """``func``'s parameter names without ``self`` and its defaults (None: not plain)."""
-    try:
-        params = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
-        return None
-    names = tuple(p.name for p in params)
-    return (names[1:] if names and names[0] == "self" else names,
-            getattr(func, "__defaults__", None) or ())
+class Collector:
+    """``BlockPool.metrics_collector`` while the journal is installed.
 
+    With no collector of vLLM's own, the hot report is the log's ``append`` and the two
+    others are ``id``: C callables taking one argument, so a report costs no frame."""
 
-def _arg(args, kwargs, params, name):
-    if name in kwargs:
-        return kwargs[name]
-    index = params.index(name) if params and name in params else None
-    if index is not None and index < len(args):
-        return args[index]
-    return _MISSING
+    __slots__ = ("on_block_allocated", "on_block_evicted", "on_block_accessed", "inner")
+
+    def __init__(self, log: list, inner=None):
+        self.inner = inner
+        if inner is None:
+            self.on_block_allocated = log.append
+            self.on_block_evicted = self.on_block_accessed = id
+            return
+        report = inner.on_block_allocated
+
+        def on_block_allocated(block):
+            log.append(block)
+            report(block)
+
+        self.on_block_allocated = on_block_allocated
+        self.on_block_evicted = inner.on_block_evicted
+        self.on_block_accessed = inner.on_block_accessed
+
+    def reset(self) -> None:
+        if self.inner is not None:
+            self.inner.reset()
+
+    def __getattr__(self, name):            # anything else vLLM asks its collector
+        return getattr(self.inner, name)
 
 
 class PoolJournal:
-    """The log of one pool's operations during a transaction (``log`` is None outside)."""
+    """The log of one pool's operations during a transaction."""
 
-    #: Signatures with a shadow of the exact parameters (no ``*args`` repacking on the
-    #: hot path); other signatures get the generic shadow.
-    EXACT = {
-        "get_new_blocks": {(("num_blocks",), ()): "_get_new_blocks_exact"},
-        "touch": {(("blocks",), ()): "_touch_exact"},
-        "cache_full_blocks": {(("request", "blocks", "num_cached_blocks", "num_full_blocks",
-                                "block_size", "kv_cache_group_id", "block_mask"), (None,)):
-                              "_cache_full_blocks_exact"},
-        "cache_partial_block": {
-            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size"), ()):
-                "_cache_partial_block_exact5",
-            (("request", "block", "num_tokens", "kv_cache_group_id", "block_size",
-              "replace_existing_hashes"), (False,)): "_cache_partial_block_exact6"},
-    }
-
-    def __init__(self, pool, shadows: dict):
+    def __init__(self, pool, changes: dict):
         self.pool = pool
         self.cls = type(pool)
         self.queue = pool.free_block_queue
-        self.log: list | None = None
-        self.broken: str | None = None
-        self.free_at_start = 0          # free blocks when the call's first logged op ran
-        self.shadows = shadows          # name -> the patch's InstanceAttr declaration
-        self.params = {n: (_params(getattr(self.cls, n, None)) or ((), ()))[0] for n in NAMES}
+        self.log: list = []
+        self.changes = changes          # seam name -> the patch's InstanceAttr declaration
+
+    def unsupported(self) -> str | None:
+        """Why this pool's seams are not the ones the journal knows (None: they are)."""
+        try:
+            params = tuple(inspect.signature(self.cls._insert_block_hash).parameters)[1:]
+        except (AttributeError, TypeError, ValueError):
+            return "a BlockPool without _insert_block_hash"
+        if params != INSERT_PARAMS:
+            return "a BlockPool._insert_block_hash with other parameters"
+        if not hasattr(self.pool, "metrics_collector"):
+            return "a BlockPool without metrics_collector"
+        return None
 
     def install(self) -> bool:
-        """Shadow the pool's methods; False (nothing left installed) if one cannot be."""
+        """Put the seams on the pool; False (nothing left installed) if one cannot be."""
+        seams = {"metrics_collector": Collector(self.log, self.pool.metrics_collector),
+                 "touch": self._touch, "_insert_block_hash": self._inserting()}
         done = []
-        for name in NAMES:
-            func = getattr(self.cls, name, None)
-            if func is None:
-                continue
-            exact = self.EXACT.get(name, {}).get(_params(func))
-            shadow = getattr(self, exact or "_" + name)
-            if not self.shadows[name].set(self.pool, shadow):
+        for name, value in seams.items():
+            if not self.changes[name].set(self.pool, value):
                 for n in done:
-                    self.shadows[n].unset(self.pool)
+                    self.changes[n].unset(self.pool)
                 return False
             done.append(name)
         return True
 
     def uninstall(self) -> None:
-        for name in NAMES:
-            self.shadows[name].unset(self.pool)
+        for change in self.changes.values():
+            change.unset(self.pool)
 
-    # -- get_new_blocks
-    def _get_new_blocks_exact(self, num_blocks):
-        if (log := self.log) is None:
-            return self.cls.get_new_blocks(self.pool, num_blocks)
-        before = self.queue.num_free_blocks          # the common signature: no second frame
-        if not log:
-            self.free_at_start = before
-        try:
-            blocks = self.cls.get_new_blocks(self.pool, num_blocks)
-        except BaseException:
-            self._pop_failed(before)
-            raise
-        log.append((POP, self, list(blocks)))
-        return blocks
-
-    def _get_new_blocks(self, *args, **kwargs):
-        if (log := self.log) is None:
-            return self.cls.get_new_blocks(self.pool, *args, **kwargs)
-        return self._pop(log, args, kwargs)
-
-    def _pop(self, log, args, kwargs):
-        before = self.queue.num_free_blocks
-        if not log:                     # the call's first logged operation
-            self.free_at_start = before
-        try:
-            blocks = self.cls.get_new_blocks(self.pool, *args, **kwargs)
-        except BaseException:
-            self._pop_failed(before)
-            raise
-        log.append((POP, self, list(blocks)))
-        return blocks
-
-    def _pop_failed(self, before: int) -> None:
-        if self.queue.num_free_blocks != before:
-            self.broken = "get_new_blocks failed after popping blocks"
-
-    # -- touch
-    def _touch_exact(self, blocks):
-        if (log := self.log) is None:
-            return self.cls.touch(self.pool, blocks)
-        return self._touched(log, blocks, (), _NO_KWARGS)
-
+    # -- the shadows (``touch`` calls the class attribute each time: wrappers applied later
+    # run; nothing wraps the private ``_insert_block_hash``)
     def _touch(self, blocks, *args, **kwargs):
-        if (log := self.log) is None:
-            return self.cls.touch(self.pool, blocks, *args, **kwargs)
-        return self._touched(log, blocks, args, kwargs)
-
-    def _touched(self, log, blocks, args, kwargs):
-        if not log:
-            self.free_at_start = self.queue.num_free_blocks
         flat = blocks
         if blocks and isinstance(blocks[0], (list, tuple)):     # older per-group form
             flat = [b for group in blocks for b in group]
@@ -154,71 +110,20 @@ class PoolJournal:
             flat, before = [flat[i] for i in keep], [before[i] for i in keep]
             raise
         finally:
-            log.append((TOUCH, self, (flat, before)))
+            self.log.append((TOUCH, flat, before))
 
-    # -- cache_full_blocks / cache_partial_block: the blocks whose hashes the call sets
-    def _cache_full_blocks_exact(self, request, blocks, num_cached_blocks, num_full_blocks,
-                                 block_size, kv_cache_group_id, block_mask=None):
-        if (log := self.log) is not None:
-            if not log:
-                self.free_at_start = self.queue.num_free_blocks
-            log.append((CACHE, self, blocks[num_cached_blocks:num_full_blocks]))
-        return self.cls.cache_full_blocks(self.pool, request, blocks, num_cached_blocks,
-                                          num_full_blocks, block_size, kv_cache_group_id,
-                                          block_mask)
+    def _inserting(self):
+        """The ``_insert_block_hash`` shadow: a closure over what it needs (it runs for
+        every block a call caches)."""
+        append, pool, insert = self.log.append, self.pool, self.cls._insert_block_hash
 
-    def _cache_full_blocks(self, *args, **kwargs):
-        if (log := self.log) is None:
-            return self.cls.cache_full_blocks(self.pool, *args, **kwargs)
-        if not log:
-            self.free_at_start = self.queue.num_free_blocks
-        params = self.params["cache_full_blocks"]
-        blocks, start, end = (_arg(args, kwargs, params, n)
-                              for n in ("blocks", "num_cached_blocks", "num_full_blocks"))
-        if _MISSING in (blocks, start, end):
-            self.broken = "cache_full_blocks arguments not recognised"
-            cached = []
-        else:
-            cached = blocks[start:end]       # vLLM hashes only these (not yet cached) ones
-        log.append((CACHE, self, cached))
-        return self.cls.cache_full_blocks(self.pool, *args, **kwargs)
+        def _insert_block_hash(block_hash_with_group_id, block, num_tokens=None):
+            append((HASHED, block))
+            return insert(pool, block_hash_with_group_id, block, num_tokens)
 
-    def _cache_partial_block_exact5(self, request, block, num_tokens, kv_cache_group_id,
-                                    block_size):
-        if (log := self.log) is not None:
-            if not log:
-                self.free_at_start = self.queue.num_free_blocks
-            log.append((CACHE, self, [block]))
-        return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
-                                            kv_cache_group_id, block_size)
+        return _insert_block_hash
 
-    def _cache_partial_block_exact6(self, request, block, num_tokens, kv_cache_group_id,
-                                    block_size, replace_existing_hashes=False):
-        if (log := self.log) is not None:
-            if not log:
-                self.free_at_start = self.queue.num_free_blocks
-            log.append((CACHE, self, [block]))
-        return self.cls.cache_partial_block(self.pool, request, block, num_tokens,
-                                            kv_cache_group_id, block_size,
-                                            replace_existing_hashes)
 
-    def _cache_partial_block(self, *args, **kwargs):
-        if (log := self.log) is None:
-            return self.cls.cache_partial_block(self.pool, *args, **kwargs)
-        if not log:
-            self.free_at_start = self.queue.num_free_blocks
-        block = _arg(args, kwargs, self.params["cache_partial_block"], "block")
-        if block is _MISSING:
-            self.broken = "cache_partial_block arguments not recognised"
-        log.append((CACHE, self, [] if block is _MISSING else [block]))
-        return self.cls.cache_partial_block(self.pool, *args, **kwargs)
-
-    # -- move_block_hashes
-    def _move_block_hashes(self, src, dst, *args, **kwargs):
-        if (log := self.log) is None:
-            return self.cls.move_block_hashes(self.pool, src, dst, *args, **kwargs)
-        if not log:
-            self.free_at_start = self.queue.num_free_blocks
-        result = self.cls.move_block_hashes(self.pool, src, dst, *args, **kwargs)
-        log.append((MOVE, self, (src, dst)))
-        return result
+def popped(log: list) -> list:
+    """The blocks the logged call took from the free queue, in pop order."""
+    return [entry for entry in log if type(entry) is not tuple]

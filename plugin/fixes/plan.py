@@ -1,10 +1,11 @@
 """What a transaction records for one ``KVCacheManager``, worked out once per manager.
 
-vLLM keeps a request's allocation state in per-group containers that it creates once and
-never replaces (``req_to_blocks``, ``num_cached_block``, Mamba's align-mode sets and
-dicts). The plan lists them, so recording a request before a call is a few dict reads,
-O(groups), and never a copy of a block list (lists only grow during the call). The
-transaction reads them in its own frame (:mod:`.rollback`); this module only sorts them.
+vLLM keeps a request's allocation state in per-group containers it creates once and never
+replaces. Most of what a failed call changed can be read back from the pool journal (the
+blocks it took, touched or hashed) and the state it left; the plan lists the few values
+that cannot, so the transaction reads only those before calling vLLM: each group's
+``num_cached_block`` entry, and per Mamba align group the block list, its length, the
+``last_state_block_idx`` entry and the ``_allocated_block_reqs`` membership.
 """
 from __future__ import annotations
 
@@ -26,45 +27,57 @@ LEADING = (("request", inspect.Parameter.empty), ("num_new_tokens", inspect.Para
            ("num_lookahead_tokens", 0))
 
 
+class Align:
+    """One Mamba align group: what its undo needs besides the record."""
+
+    __slots__ = ("index", "manager", "rtb", "last_state", "members", "nsb", "offloads")
+
+    def __init__(self, index, manager):
+        self.index, self.manager = index, manager
+        self.rtb = manager.req_to_blocks
+        self.last_state = manager.last_state_block_idx
+        self.members = manager._allocated_block_reqs
+        self.nsb = int(getattr(manager, "num_speculative_blocks", 0) or 0)
+        self.offloads = isinstance(getattr(manager, "_pending_boundary_state_offloads", None),
+                                   list)
+
+
 class Plan:
     """The containers one manager's transaction records and restores.
 
-    ``rtbs``: each group's ``req_to_blocks``; ``hot``: per-request dicts most requests
-    have an entry in (``num_cached_block``, Mamba align's ``last_state_block_idx``);
-    ``rare``: those usually empty (``_partial_hit_reqs``, ``_producer_partial_tail_reqs``),
-    read only when one is not; ``dicts``: ``hot + rare``; ``align``: per Mamba align group
-    ``(group index, manager, _allocated_block_reqs, num_speculative_blocks, has pending
-    boundary offloads)``; ``record_ids``: managers that append to ``new_block_ids``.
+    ``cached_gets``: each group's ``num_cached_block.get``; ``align``: the Mamba align
+    groups (:class:`Align`) and ``align_reads`` their ``(req_to_blocks.get,
+    last_state_block_idx.get, _allocated_block_reqs)``; ``rare``: per-request dicts
+    usually empty (``_partial_hit_reqs``, ``_producer_partial_tail_reqs``), read only when
+    one is not; ``record_ids``: managers that append to ``new_block_ids``.
     """
 
-    __slots__ = ("manager", "managers", "gids", "journal", "rtbs", "hot", "rare", "dicts",
-                 "align", "record_ids", "containers", "__weakref__")
+    __slots__ = ("manager", "managers", "gids", "journal", "cached", "cached_gets", "align",
+                 "align_reads", "rare", "record_ids", "containers", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
         self.managers = managers
         self.gids = {id(m): getattr(m, "kv_cache_group_id", i) for i, m in enumerate(managers)}
         self.journal = journal
-        containers, hot, rare, align = [], [], [], []
-        for i, m in enumerate(managers):
-            names = [("num_cached_block", hot), ("_partial_hit_reqs", rare)]
-            if getattr(m, "mamba_cache_mode", None) == "align":
-                names += [("last_state_block_idx", hot), ("_producer_partial_tail_reqs", rare)]
-                align.append((i, m, m._allocated_block_reqs,
-                              int(getattr(m, "num_speculative_blocks", 0) or 0),
-                              isinstance(getattr(m, "_pending_boundary_state_offloads", None),
-                                         list)))
-                containers.append((m, "_allocated_block_reqs", m._allocated_block_reqs))
-            containers.append((m, "req_to_blocks", m.req_to_blocks))
-            for name, kind in names:
+        self.cached = tuple(m.num_cached_block for m in managers)
+        self.cached_gets = tuple(d.get for d in self.cached)
+        self.align = tuple(Align(i, m) for i, m in enumerate(managers)
+                           if getattr(m, "mamba_cache_mode", None) == "align")
+        self.align_reads = tuple((a.rtb.get, a.last_state.get, a.members) for a in self.align)
+        rare, containers = [], []
+        for m in managers:
+            containers += [(m, "req_to_blocks", m.req_to_blocks),
+                           (m, "num_cached_block", m.num_cached_block)]
+            for name in ("_partial_hit_reqs", "_producer_partial_tail_reqs"):
                 d = getattr(m, name, None)
                 if isinstance(d, dict):
-                    kind.append(d)
+                    rare.append(d)
                     containers.append((m, name, d))
-        self.rtbs = tuple(m.req_to_blocks for m in managers)
-        self.hot, self.rare = tuple(hot), tuple(rare)
-        self.dicts = self.hot + self.rare
-        self.align = tuple(align)
+        for a in self.align:
+            containers += [(a.manager, "last_state_block_idx", a.last_state),
+                           (a.manager, "_allocated_block_reqs", a.members)]
+        self.rare = tuple(rare)
         self.containers = tuple(containers)
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))

@@ -3,14 +3,14 @@
 vLLM checks the block budget once and then allocates group by group; when one group's
 estimate is wrong (Mamba align on external tokens, vllm#46892) or anything else raises
 half-way, the error escapes ``Scheduler.schedule`` and EngineCore dies (vllm#45856).
-Here the call is one transaction: record the request's entries (the containers
-:mod:`.plan` lists, read in the transaction's own frame), log the pool operations
-(:mod:`.journal`), call vLLM; on an ``Exception`` undo everything
-(:mod:`.undo`) and return None, vLLM's own "no room now", so the scheduler preempts or
-waits. ``allocate_slots``' own argument check and ``BaseException`` re-raise vLLM's error
-untouched. When the undo itself fails, the request's state is unknown: only that request
-is ended (after the step's ``schedule``, through vLLM's error path, its blocks out of the
-prefix cache), the blocks the call popped that no table of it holds go back to the pool.
+Here the call is one transaction: read the few values of the request that the undo
+cannot work out afterwards (:mod:`.plan`), empty the pool journal (:mod:`.journal`),
+call vLLM; on an ``Exception`` undo everything (:mod:`.undo`) and return None, vLLM's
+own "no room now", so the scheduler preempts or waits. ``allocate_slots``' own argument
+check and ``BaseException`` re-raise vLLM's error untouched. When the undo itself fails,
+the request's state is unknown: only that request is ended (after the step's
+``schedule``, through vLLM's error path, its blocks out of the prefix cache), the blocks
+the call popped that no table of it holds go back to the pool.
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import logging
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes.journal import POP, PoolJournal
+from vllm_kvguard.fixes.journal import PoolJournal, popped
 from vllm_kvguard.fixes.plan import Plan, unsupported_reason
 from vllm_kvguard.fixes.request_errors import end_request
-from vllm_kvguard.fixes.undo import RollbackFailed, failing_group, raised_by_itself, rollback
+from vllm_kvguard.fixes.undo import (RollbackFailed, failing_group, orphans, raised_by_itself,
+                                     rollback)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
@@ -29,12 +30,13 @@ __all__ = ["Rollback", "RollbackFailed"]
 
 
 class Rollback:
-    """The rollback fix. ``shadows`` maps each ``BlockPool`` method name the journal
-    shadows to the allocator patch's declaration that installs it on a pool."""
+    """The rollback fix. ``seams`` maps each ``BlockPool`` seam the journal uses to the
+    allocator patch's declaration that installs it on a pool."""
 
-    def __init__(self, shadows: dict, notify=None):
-        self.shadows = shadows
+    def __init__(self, seams: dict, notify=None, on_disable=None):
+        self.seams = seams
         self.notify = notify            # called like kvguard_allocation_rolled_back
+        self.on_disable = on_disable    # called once rollback is off (drop the fast paths)
         self.disabled: str | None = None
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -57,10 +59,11 @@ class Rollback:
             pool = managers[0].block_pool
             journal = self._journals.get(pool)
             if journal is None:
-                journal = PoolJournal(pool, self.shadows)
-                if not journal.install():
-                    why = "a BlockPool whose methods are already shadowed"
-                else:
+                journal = PoolJournal(pool, self.seams)
+                why = journal.unsupported()
+                if why is None and not journal.install():
+                    why = "a BlockPool whose seams are already taken"
+                if why is None:
                     self._journals[pool] = journal
         if why is not None:
             once(logging.WARNING, ("rollback-unsupported", why),
@@ -71,7 +74,9 @@ class Rollback:
 
     def transaction(self, manager, fn):
         """``fn`` (vLLM's ``allocate_slots`` bound to ``manager``, or anything called
-        like it) as a transaction; None when rollback cannot cover ``manager``."""
+        like it) as a transaction; None when rollback cannot cover ``manager`` or is off."""
+        if self.disabled:
+            return None
         try:
             plan = self.plan_for(manager)
         except Exception as exc:
@@ -79,43 +84,31 @@ class Rollback:
             return None
         if plan is None:
             return None
-        journal, recover = plan.journal, self.recover
-        rtbs, hot, rare, aligned, record_ids = (plan.rtbs, plan.hot, plan.rare, plan.align,
-                                                plan.record_ids)
+        log, recover = plan.journal.log, self.recover
+        cached_gets, align_reads, rare = plan.cached_gets, plan.align_reads, plan.rare
 
         def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
                            new_computed_blocks=None, num_lookahead_tokens=0, *args, **kwargs):
-            if journal.log is not None or self.disabled:     # nested, or rollback off
-                return fn(request, num_new_tokens, num_new_computed_tokens,
-                          new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
-            # Record the request's entries, in this frame (see Plan; undo.rollback reads
-            # them back): block list and length per group, the dicts' values, per align
-            # group its set membership, offload count and last table entries.
+            # Read what the undo cannot work out afterwards (see Plan): each group's
+            # cached-block count; per Mamba align group the block list, its length, the
+            # last state block index and the membership; the rare dicts' values.
             try:
                 rid = request.request_id
-                lists, lens, vals = [], [], []
-                for rtb in rtbs:
-                    blocks = rtb.get(rid)
-                    lists.append(blocks)
-                    lens.append(-1 if blocks is None else len(blocks))
-                for d in hot:
-                    vals.append(d.get(rid))
+                cached = []
+                for get in cached_gets:
+                    cached.append(get(rid))
+                aligned = []
+                for get_blocks, get_last, members in align_reads:
+                    blocks = get_blocks(rid)
+                    aligned.append((blocks, -1 if blocks is None else len(blocks),
+                                    get_last(rid), rid in members))
                 rare_vals = [d.get(rid) for d in rare] if any(rare) else None
-                align, ids = [], []
-                for i, m, alloc, nsb, offl in aligned:
-                    n = lens[i]
-                    align.append((rid in alloc,
-                                  len(m._pending_boundary_state_offloads) if offl else 0,
-                                  lists[i][n - nsb if n > nsb else 0:n] if nsb and n > 0
-                                  else ()))
-                for m in record_ids:
-                    ids.append(len(m.new_block_ids))
             except Exception as exc:
                 self.disable(exc)
                 return fn(request, num_new_tokens, num_new_computed_tokens,
                           new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
-            # Call vLLM with the pool journal open; undo on failure.
-            log = journal.log = []
+            if log:
+                log.clear()            # the journal now logs this call only
             try:
                 if args or kwargs:
                     return fn(request, num_new_tokens, num_new_computed_tokens,
@@ -123,11 +116,8 @@ class Rollback:
                 return fn(request, num_new_tokens, num_new_computed_tokens,   # no repacking
                           new_computed_blocks, num_lookahead_tokens)
             except Exception as error:
-                journal.log = None
-                rec = (lists, lens, vals, rare_vals, align, ids)
-                return recover(plan, rec, log, rid, request, error)
-            finally:
-                journal.log = None
+                return recover(plan, (cached, aligned, rare_vals), list(log), rid, request,
+                               error)
 
         return allocate_slots
 
@@ -170,11 +160,14 @@ class Rollback:
         error is re-raised) when even that fails."""
         try:
             held = {id(b) for m in plan.managers for b in m.req_to_blocks.get(rid, ())}
-            stray = [b for kind, _journal, data in log if kind == POP for b in data
-                     if id(b) not in held and b.ref_cnt > 0]
+            pool = plan.journal.pool
+            stray = [b for b in popped(log) if id(b) not in held and b.ref_cnt > 0]
             if stray:
                 plan.manager.evict_blocks({b.block_id for b in stray})
-                plan.managers[0].block_pool.free_blocks(stray)
+                pool.free_blocks(stray)
+            lost = orphans(pool)              # popped, then dropped before vLLM counted it
+            if lost:
+                pool.free_block_queue.append_n(lost)
             why = (f"request {rid} failed: its KV allocation raised {type(error).__name__}: "
                    f"{error}, and undoing it raised {type(exc).__name__}: {exc}")
             self._doomed.setdefault(plan.manager, {})[rid] = why
@@ -182,7 +175,7 @@ class Rollback:
             return False
         report.count("contained", "allocate_slots")
         logger.error("vllm-kvguard: %s; only this request is ended (%d stray block(s) "
-                     "returned to the pool)", why, len(stray))
+                     "returned to the pool)", why, len(stray) + len(lost))
         return True
 
     @hookimpl
@@ -202,13 +195,15 @@ class Rollback:
         """Fail open: an internal error turns rollback off in this process."""
         self.disabled = type(exc).__name__
         report.count("internal_error", "rollback")
+        if self.on_disable is not None:
+            self.on_disable()
         once(logging.ERROR, ("rollback-internal",),
              "vllm-kvguard: internal error in the allocator rollback (%s: %s); allocation "
              "errors are no longer rolled back in this process (vLLM's behaviour)",
              type(exc).__name__, exc)
 
     def close(self) -> None:
-        """Remove every pool shadow; forget plans (the patch's teardown)."""
+        """Remove every pool seam; forget plans (the patch's teardown)."""
         for journal in list(self._journals.values()):
             journal.uninstall()
         self._journals.clear()

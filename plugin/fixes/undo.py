@@ -1,15 +1,22 @@
 """The undo: put one manager and its pool back as they were before a failed call.
 
 The target state is vLLM's own "no room now": what ``allocate_slots`` leaves when it
-returns None at its capacity check. Everything is validated before anything changes; if
-the state cannot be restored exactly, :class:`RollbackFailed` is raised and the caller
-re-raises vLLM's error (never None over inconsistent state). Prefix-cache hashes the call
-evicted or set are forgotten, never restored: a later request misses and recomputes, it
-never hits a block whose content is not there.
+returns None at its capacity check. The transaction's record holds the values the call
+may have overwritten; everything else is read from the pool journal and the state the
+call left: the blocks a group's table gained are the ones the call popped or touched (and
+in Mamba align groups the speculative blocks it moved to the end), the ids it queued for
+zeroing and the copy-on-write pairs and boundary offloads it queued are those of blocks
+it popped. Everything is validated before anything changes; if the state cannot be
+restored exactly, :class:`RollbackFailed` is raised and the caller falls back (never None
+over inconsistent state). Prefix-cache hashes the call evicted or set are forgotten,
+never restored: a later request misses and recomputes, it never hits a block whose
+content is not there.
 """
 from __future__ import annotations
 
-from vllm_kvguard.fixes.journal import CACHE, MOVE, POP, TOUCH
+from collections import Counter
+
+from vllm_kvguard.fixes.journal import HASHED, TOUCH
 
 
 class RollbackFailed(Exception):
@@ -19,52 +26,26 @@ class RollbackFailed(Exception):
 def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
     """Undo one failed call from its record and pool log; return whether anything had
     changed. Raises RollbackFailed when the state cannot be restored."""
-    journal = plan.journal
-    if journal.broken:
-        why, journal.broken = journal.broken, None
-        raise RollbackFailed(why)
+    cached, aligned, rare_vals = rec
     if not plan.intact():
         raise RollbackFailed("a per-request container of a KV manager was replaced")
-    popped = {id(b) for kind, _, data in log if kind == POP for b in data}
-    pooled = set(popped)
-    returning = len(popped)
-    for kind, _, data in log:
-        if kind == TOUCH:
-            for b, (ref, _prev) in zip(*data):
-                pooled.add(id(b))
-                if ref == 0 and not b.is_null:
-                    returning += 1
-    changed = any(data[0] if kind == TOUCH else data for kind, _, data in log)
+    popped = [e for e in log if type(e) is not tuple]
+    pop_ids = {id(b) for b in popped}
+    touched = {id(b) for e in log if type(e) is tuple and e[0] == TOUCH for b in e[1]}
+    pooled = pop_ids | touched
+    changed = bool(popped) or any(e[0] == TOUCH and e[1] for e in log if type(e) is tuple)
 
-    # Validate before changing anything.
-    lists, lens, vals, rare_vals, align_rec, id_lens = rec
-    vals = vals + (rare_vals if rare_vals is not None else [None] * len(plan.rare))
-    relocs = []
-    windows = {g[0]: r[2] for g, r in zip(plan.align, align_rec)}
-    for i, (rtb, blocks, n) in enumerate(zip(plan.rtbs, lists, lens)):
+    # Validate before changing anything: each group's length before the call.
+    align_at = {a.index: (a, r) for a, r in zip(plan.align, aligned)}
+    tables = []     # (rtb, current list, length before (None: absent), relocations, existed)
+    for i, m in enumerate(plan.managers):
+        rtb = m.req_to_blocks
         cur = rtb.get(rid)
-        relocated = []
-        relocs.append(relocated)
-        if blocks is None:
-            changed = changed or cur is not None
-            continue
-        if cur is not blocks:
-            raise RollbackFailed("a request's block list was replaced during the call")
-        appended = blocks[n:]
-        changed = changed or bool(appended)
-        window = windows.get(i, ())
-        if window:
-            appended_ids = {id(b) for b in appended}
-            for j, orig in enumerate(window, start=n - len(window)):
-                if blocks[j] is not orig and id(orig) in appended_ids:
-                    relocated.append((j, orig))     # moved to the end by the call
-        known = pooled | {id(orig) for _, orig in relocated}
-        for b in appended:
-            if not b.is_null and id(b) not in known:
-                raise RollbackFailed(f"block {b.block_id} joined a request list without "
-                                     f"a logged pool operation")
-    if log and journal.queue.num_free_blocks + returning != journal.free_at_start:
-        raise RollbackFailed("the free queue changed outside the logged operations")
+        if i in align_at:
+            tables.append(_align_table(*align_at[i], rtb, cur, pooled))
+        else:
+            tables.append(_derived_table(rtb, cur, pooled))
+    new = all(not n for _, _, n, _, _ in tables)
 
     # Copy-on-write pairs the call queued: their copy block was popped by the call.
     for m in plan.managers:
@@ -72,7 +53,7 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
         if not pending:
             continue
         k = len(pending)
-        while k and id(pending[k - 1][1]) in popped:
+        while k and id(pending[k - 1][1]) in pop_ids:
             k -= 1
         for pair in pending[k:]:
             changed = True
@@ -80,81 +61,147 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
                 if id(b) not in pooled:       # the copy's extra ref on a block held before
                     b.ref_cnt -= 1
         del pending[k:]
-    for m, n in zip(plan.record_ids, id_lens):
-        del m.new_block_ids[n:]
+    # Block ids queued for zeroing: those of blocks the call popped into that table.
+    for m in plan.record_ids:
+        table = m.req_to_blocks.get(rid, ())
+        mine = Counter(b.block_id for b in table if id(b) in pop_ids)
+        ids = m.new_block_ids
+        k = len(ids)
+        while k and mine[ids[k - 1]] > 0:
+            mine[ids[k - 1]] -= 1
+            k -= 1
+        del ids[k:]
 
     # The request's entries.
-    for rtb, blocks, n, relocated in zip(plan.rtbs, lists, lens, relocs):
-        if blocks is None:
+    for rtb, cur, n, relocated, existed in tables:
+        if cur is None:
+            continue
+        if n is None or (new and not existed):    # a table the call created
             rtb.pop(rid, None)
-        else:
-            for j, orig in relocated:
-                blocks[j] = orig
-            del blocks[n:]
-    for d, value in zip(plan.dicts, vals):
-        now = d.get(rid)
-        if now is not value:
-            changed = changed or now != value
-            if value is None:
-                d.pop(rid, None)
-            else:
-                d[rid] = value
-    for (_, m, alloc, _, has_offl), (member, n_offl, _) in zip(plan.align, align_rec):
-        changed = changed or (rid in alloc) != member
-        (alloc.add if member else alloc.discard)(rid)
-        if has_offl:
-            offl = m._pending_boundary_state_offloads
-            changed = changed or len(offl) != n_offl
-            del offl[n_offl:]
+            changed = changed or bool(cur)
+            continue
+        for j, orig in relocated:
+            cur[j] = orig
+        changed = changed or len(cur) != n
+        del cur[n:]
+    for d, value in zip(plan.cached, cached):
+        changed = _restore(d, rid, value) or changed
+    rare = rare_vals if rare_vals is not None else [None] * len(plan.rare)
+    for d, value in zip(plan.rare, rare):
+        changed = _restore(d, rid, value) or changed
+    hashed_or_popped = pop_ids | {id(e[1]) for e in log if type(e) is tuple and e[0] == HASHED}
+    for a, (_blocks, _n, last, member) in zip(plan.align, aligned):
+        changed = _restore(a.last_state, rid, last) or changed
+        changed = changed or (rid in a.members) != member
+        (a.members.add if member else a.members.discard)(rid)
+        if a.offloads:            # boundary-state hand-offs the call queued for this request
+            offl = a.manager._pending_boundary_state_offloads
+            k = len(offl)
+            while k and offl[k - 1][0] == rid and id(offl[k - 1][2]) in hashed_or_popped:
+                k -= 1
+            changed = changed or k != len(offl)
+            del offl[k:]
 
     # The pool, newest operation first.
-    for kind, owner, data in reversed(log):
-        undo_pool_op(owner, kind, data)
-    if log and journal.queue.num_free_blocks != journal.free_at_start:
-        raise RollbackFailed(f"{journal.queue.num_free_blocks} free blocks after the undo, "
-                             f"{journal.free_at_start} before the call")
+    journal = plan.journal
+    pool, queue = journal.pool, journal.queue
+    run: list = []                          # consecutive popped blocks, newest first
+    for entry in reversed(log):
+        if type(entry) is not tuple:
+            run.append(entry)
+            continue
+        _give_back(pool, queue, run)
+        run = []
+        if entry[0] == TOUCH:
+            _untouch(queue, *entry[1:])
+        elif entry[0] == HASHED:
+            changed = True
+            _forget(pool, entry[1])
+    _give_back(pool, queue, run)
+    stray = orphans(pool)
+    if stray:
+        raise RollbackFailed(f"{len(stray)} block(s) left neither free nor held "
+                             f"(block {stray[0].block_id} first)")
     return changed
 
 
-def undo_pool_op(journal, kind, data) -> None:
-    """Undo one logged pool operation."""
-    pool, queue = journal.pool, journal.queue
-    if kind == POP:
-        hashed_extra = getattr(pool, "cached_block_hashes_by_block", {})
-        for b in data:
-            if b.block_hash is not None or b.block_id in hashed_extra:
-                pool._maybe_evict_cached_block(b)       # set during the call
-            b.ref_cnt = 0
-        _prepend(queue, data)
-    elif kind == TOUCH:
-        blocks, before = data
-        for b, (ref, _) in zip(reversed(blocks), reversed(before)):
-            b.ref_cnt = ref
-        _reinsert(queue, [(b, prev) for b, (ref, prev) in zip(blocks, before)
-                          if ref == 0 and not b.is_null])
-    elif kind == CACHE:
-        # Hashes on blocks vLLM was caching for tokens the forward pass never computed:
-        # evicted (a partial entry such a block held before goes with them).
-        hashed_extra = getattr(pool, "cached_block_hashes_by_block", {})
-        for b in data:
-            if not b.is_null and (b.block_hash is not None or b.block_id in hashed_extra):
-                pool._maybe_evict_cached_block(b)
-    elif kind == MOVE:
-        src, dst = data
-        if src.block_hash is None and dst.block_hash is not None:
-            journal.cls.move_block_hashes(pool, dst, src)
+def _align_table(a, r, rtb, cur, pooled):
+    """A Mamba align group's table: its length before the call was recorded; a block no
+    pool operation gave out is a speculative block the call moved to the end, one of the
+    first of the last ``num_speculative_blocks`` entries, each leaving a null behind."""
+    blocks, n, _last, _member = r
+    if blocks is None:
+        return rtb, cur, None, (), False
+    if cur is not blocks:
+        raise RollbackFailed("a request's block list was replaced during the call")
+    moved = [b for b in cur[n:] if not b.is_null and id(b) not in pooled]
+    start = n - a.nsb
+    if moved and (start < 0 or len(moved) > n - start or not all(
+            cur[start + t].is_null for t in range(len(moved)))):
+        raise RollbackFailed(f"block {moved[0].block_id} joined a request list without "
+                             f"a logged pool operation")
+    return rtb, cur, n, tuple(zip(range(start, start + len(moved)), moved)), True
 
 
-def _prepend(queue, blocks) -> None:
-    if not blocks:
+def _derived_table(rtb, cur, pooled):
+    """Any other group's table: it only gains blocks at its end, each one the call popped
+    or touched (a new request's table also starts with nulls for skipped tokens). Its
+    length before the call is what remains without them; a table holding nothing but
+    nulls then is a new request's (0; whether it existed before is not known)."""
+    if cur is None:
+        return rtb, None, None, (), False
+    k = len(cur)
+    while k and id(cur[k - 1]) in pooled:
+        k -= 1
+    if all(b.is_null for b in cur[:k]):
+        k = 0
+    for b in cur[k:]:
+        if not b.is_null and id(b) not in pooled:
+            raise RollbackFailed(f"block {b.block_id} joined a request list without "
+                                 f"a logged pool operation")
+    return rtb, cur, k, (), None
+
+
+def _restore(d: dict, rid, value) -> bool:
+    """Set ``d[rid]`` back to ``value`` (None: absent); whether it had changed."""
+    now = d.get(rid)
+    if now is value:
+        return False
+    if value is None:
+        d.pop(rid, None)
+    else:
+        d[rid] = value
+    return now != value
+
+
+def _forget(pool, block) -> None:
+    if not block.is_null and (block.block_hash is not None or block.block_id in getattr(
+            pool, "cached_block_hashes_by_block", {})):
+        pool._maybe_evict_cached_block(block)
+
+
+def _give_back(pool, queue, newest_first: list) -> None:
+    """Return popped blocks to the head of the free queue, in their pop order."""
+    if not newest_first:
         return
+    blocks = newest_first[::-1]
+    for b in blocks:
+        _forget(pool, b)                        # a hash set during the call
+        b.ref_cnt = 0
     prepend = getattr(queue, "prepend_n", None)
     if prepend is not None:
         prepend(blocks)
         return
     head = queue.fake_free_list_head
-    for b in reversed(blocks):
+    for b in newest_first:
         _insert_after(queue, head, b)
+
+
+def _untouch(queue, blocks, before) -> None:
+    for b, (ref, _) in zip(reversed(blocks), reversed(before)):
+        b.ref_cnt = ref
+    _reinsert(queue, [(b, prev) for b, (ref, prev) in zip(blocks, before)
+                      if ref == 0 and not b.is_null])
 
 
 def _reinsert(queue, recs) -> None:
@@ -189,6 +236,13 @@ def _insert_after(queue, prev, block) -> None:
     prev.next_free_block = block
     nxt.prev_free_block = block
     queue.num_free_blocks += 1
+
+
+def orphans(pool) -> list:
+    """Blocks neither free nor held: no reference, yet not linked into the free queue
+    (popped by vLLM, then dropped before it counted them)."""
+    return [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null
+            and b.prev_free_block is None]
 
 
 def failing_group(plan, error: BaseException):

@@ -185,7 +185,9 @@ def state(manager) -> dict[str, Any]:
     }
     for g, m in enumerate(groups(manager)):
         p = f"g{g}."
-        out[p + "req_to_blocks"] = {r: _ids(b) for r, b in m.req_to_blocks.items()}
+        # An empty table and none are the same to vLLM (a defaultdict its own "no room"
+        # path fills with empty lists), and a rollback cannot always tell them apart.
+        out[p + "req_to_blocks"] = {r: _ids(b) for r, b in m.req_to_blocks.items() if b}
         out[p + "num_cached_block"] = dict(m.num_cached_block)
         out[p + "partial_hit"] = {r: _value(v) for r, v in
                                   getattr(m, "_partial_hit_reqs", {}).items()}
