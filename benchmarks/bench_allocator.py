@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    form = "one Python transaction"
+    form = "one Python transaction, its reads written out per manager"
     sequence = make_sequence(args.requests, args.steps, args.batch)
     num_blocks = 4096
     if args.child:

@@ -376,3 +376,42 @@ def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba):
     assert admit(m, make_request("r", prompt(1, 40))) is None   # "no room now"
     assert state_diff(before, state(m)) == []
     assert report.snapshot()["rollback"] == {"ValueError": 1}
+
+
+@pytest.mark.parametrize("n_mamba", [1, 23])
+def test_written_out_record_reads_what_the_undo_takes(mocker, n_mamba):
+    """The record the transaction writes out per manager (Plan.reads) holds, in the undo's
+    form (Plan.nest), what a loop over the groups reads: every group's cached count; per
+    align group its list, length, last state index, membership; the rare dicts' values
+    (the or-chain of a few dicts and the any() of many)."""
+    specs = [attention_spec()] + [mamba_spec(mode="align") for _ in range(n_mamba)]
+    activate()
+    m = make_manager(specs, num_blocks=256, enable_caching=True)
+    fix = allocator._State.fix
+    plan = fix.plan_for(m)
+    for i, d in enumerate(plan.cached):
+        d["r"] = i + 3
+    a = plan.align[-1]
+    a.rtb["r"] = [m.block_pool.null_block] * 2
+    a.last_state["r"] = 7
+    a.members.add("r")
+    plan.rare[-1]["r"] = ("rare", n_mamba)
+    seen = []
+
+    def failing(*_args, **_kwargs):
+        raise ValueError("Cannot get 1 free blocks from the pool")
+
+    mocker.patch.object(fix, "recover", lambda plan, rec, *_rest: seen.append(plan.nest(rec)))
+    txn = fix.transaction(m, failing)
+    txn(make_request("r", prompt(1, 40)), 40)
+    cached, aligned, rare = seen[0]
+    assert list(cached) == [d.get("r") for d in plan.cached]
+    assert [tuple(x) for x in aligned] == [
+        (x.rtb.get("r"), len(x.rtb.get("r") or ()),
+         x.last_state.get("r"), "r" in x.members) for x in plan.align]
+    assert aligned[-1][0] is a.rtb["r"] and aligned[-1][1] == 2
+    assert list(rare) == [d.get("r") for d in plan.rare]
+    plan.rare[-1].clear()
+    seen.clear()
+    txn(make_request("r", prompt(1, 40)), 40)
+    assert seen[0][2] is None                 # all rare dicts empty: nothing read

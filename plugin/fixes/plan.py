@@ -6,6 +6,7 @@ blocks it took, touched or hashed) and the state it left; the plan lists the few
 that cannot, so the transaction reads only those before calling vLLM: each group's
 ``num_cached_block`` entry, and per Mamba align group the block list, its length, the
 ``last_state_block_idx`` entry and the ``_allocated_block_reqs`` membership.
+:meth:`Plan.reads` writes those reads out as statements for the transaction (see :mod:`.rollback` for why they are not a loop).
 """
 from __future__ import annotations
 
@@ -45,15 +46,14 @@ class Align:
 class Plan:
     """The containers one manager's transaction records and restores.
 
-    ``cached_gets``: each group's ``num_cached_block.get``; ``align``: the Mamba align
-    groups (:class:`Align`) and ``align_reads`` their ``(req_to_blocks.get,
-    last_state_block_idx.get, _allocated_block_reqs)``; ``rare``: per-request dicts
-    usually empty (``_partial_hit_reqs``, ``_producer_partial_tail_reqs``), read only when
-    one is not; ``record_ids``: managers that append to ``new_block_ids``.
+    ``cached``: each group's ``num_cached_block``; ``align``: the Mamba align groups
+    (:class:`Align`); ``rare``: per-request dicts usually empty (``_partial_hit_reqs``,
+    ``_producer_partial_tail_reqs``), read only when one is not; ``record_ids``: managers
+    that append to ``new_block_ids``.
     """
 
-    __slots__ = ("manager", "managers", "gids", "journal", "cached", "cached_gets", "align",
-                 "align_reads", "rare", "record_ids", "containers", "__weakref__")
+    __slots__ = ("manager", "managers", "gids", "journal", "cached", "align", "rare",
+                 "record_ids", "containers", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -61,10 +61,8 @@ class Plan:
         self.gids = {id(m): getattr(m, "kv_cache_group_id", i) for i, m in enumerate(managers)}
         self.journal = journal
         self.cached = tuple(m.num_cached_block for m in managers)
-        self.cached_gets = tuple(d.get for d in self.cached)
         self.align = tuple(Align(i, m) for i, m in enumerate(managers)
                            if getattr(m, "mamba_cache_mode", None) == "align")
-        self.align_reads = tuple((a.rtb.get, a.last_state.get, a.members) for a in self.align)
         rare, containers = [], []
         for m in managers:
             containers += [(m, "req_to_blocks", m.req_to_blocks),
@@ -81,6 +79,44 @@ class Plan:
         self.containers = tuple(containers)
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))
+
+    def reads(self) -> tuple[list[str], dict]:
+        """The record as statements over the request id ``rid``, each setting one local
+        ``v0``, ``v1``, ... (the transaction builds the tuple only on failure), and the
+        objects their names stand for: each group's cached-block count; per align group
+        its block list, that list's length (0: absent), last state index and membership;
+        last the rare dicts' values, or a false value while all of them are empty."""
+        names: dict = {}
+        exprs = []
+        for i, d in enumerate(self.cached):
+            names[f"cached{i}"] = d.get
+            exprs.append(f"cached{i}(rid)")
+        for i, a in enumerate(self.align):
+            names[f"blocks{i}"], names[f"last{i}"] = a.rtb.get, a.last_state.get
+            names[f"members{i}"] = a.members
+            v = f"v{len(exprs)}"
+            exprs += [f"blocks{i}(rid)", f"len({v}) if {v} else 0",
+                      f"last{i}(rid)", f"rid in members{i}"]
+        for k, d in enumerate(self.rare):
+            names[f"rare{k}"] = d
+        rare = [f"rare{k}" for k in range(len(self.rare))]
+        if not rare:
+            exprs.append("()")
+        elif len(rare) <= 4:        # an or-chain is cheaper than any() for a few dicts
+            exprs.append(f"({' or '.join(rare)}) and "
+                         f"({', '.join(r + '.get(rid)' for r in rare)},)")
+        else:
+            names["rare"] = self.rare
+            exprs.append("any(rare) and [d.get(rid) for d in rare]")
+        return [f"v{j} = {e}" for j, e in enumerate(exprs)], names
+
+    def nest(self, flat: tuple) -> tuple:
+        """The values of :meth:`reads`, in order, as the undo takes them: (cached counts,
+        per align group (blocks, length, last state index, member), rare values or
+        None)."""
+        n = len(self.cached)
+        aligned = [flat[j:j + 4] for j in range(n, n + 4 * len(self.align), 4)]
+        return flat[:n], aligned, flat[-1] or None
 
     def intact(self) -> bool:
         return all(getattr(m, name, None) is obj for m, name, obj in self.containers)
