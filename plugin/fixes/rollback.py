@@ -15,7 +15,7 @@ the call popped that no table of it holds go back to the pool.
 The reads are written out per record shape (:data:`TRANSACTION`, compiled once per
 shape) because a hand-written loop over the groups cannot come within one point of them:
 with the loop, ``bench_allocator.py --instructions`` counted 1.052x unpatched and
-``bench_scheduler.py`` 1.028x; written out, 1.032x and 1.020x (vLLM 0.32.0, full
+``bench_scheduler.py`` 1.026x; written out, 1.032x and 1.020x (vLLM 0.32.0, full
 attention + Mamba align, five and three heap layouts).
 """
 from __future__ import annotations
