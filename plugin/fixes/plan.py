@@ -6,7 +6,8 @@ blocks it took, touched or hashed) and the state it left; the plan lists the few
 that cannot, so the transaction reads only those before calling vLLM: each group's
 ``num_cached_block`` entry, and per Mamba align group the block list, its length, the
 ``last_state_block_idx`` entry and the ``_allocated_block_reqs`` membership.
-:meth:`Plan.reads` writes those reads out as statements for the transaction (see :mod:`.rollback` for why they are not a loop).
+:meth:`Plan.reads` writes those reads out as statements for the transaction (see
+:mod:`.rollback` for why they are not a loop).
 """
 from __future__ import annotations
 
