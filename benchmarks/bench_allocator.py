@@ -16,8 +16,14 @@ per heap layout (``--layouts``; see ``_cgcount.py``), a replay uninstrumented to
 then one counted on a fresh manager; it prints on/off per layout and of the means (target
 <= 1.03, i.e. >= 0.97x).
 
+``--per-call`` counts the transaction's own cost, which a replay's count (that moves
+between runs by more than the transaction's smaller changes) cannot show: one decode-shaped
+``allocate_slots`` call with nothing to allocate, made through vLLM's method and through the
+installed transaction on the same manager and request, in alternating regions of one
+callgrind child per layout; it prints the instructions per call of each and the difference.
+
     python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
-                                         [--instructions [--layouts 5]]
+                                         [--instructions [--layouts 5] | --per-call]
 """
 from __future__ import annotations
 
@@ -143,6 +149,56 @@ def child_instructions(args, sequence, num_blocks: int) -> int:
     return 0
 
 
+PER_CALL = 2000        # calls per counted region of --per-call
+
+
+def child_per_call(args) -> int:
+    """In a callgrind child: regions of ``PER_CALL`` calls, through vLLM's own
+    ``allocate_slots`` and through the transaction, alternating (vLLM, txn, vLLM, txn)."""
+    _cgcount.shift_layout(args.layout)
+    set_patch(True)
+    manager = hybrid_manager(1024, enable_caching=True, max_model_len=4096)
+    req = make_request("r0", FAMILIES[0][:40], block_size=BS)
+    manager.allocate_slots(req, 40, num_lookahead_tokens=2)    # installs the transaction
+    req.num_computed_tokens = 40
+    txn = vars(manager)["allocate_slots"]
+    vllm = type(manager).allocate_slots.__wrapped__.__get__(manager)
+
+    def calls(fn):
+        for _ in range(PER_CALL):
+            fn(req, 1, num_lookahead_tokens=2)
+
+    for fn in (vllm, txn):
+        calls(fn)                                               # warm-up, uncounted
+    gc.collect()
+    for fn in (vllm, txn, vllm, txn):
+        _cgcount.region(calls, fn)
+    _cgcount.emit(dict(regions=4))
+    return 0
+
+
+def per_call(args) -> int:
+    why = _cgcount.available()
+    if why:
+        print(f"instructions: not counted ({why})")
+        return 1
+    layouts = _cgcount.LAYOUTS[:args.layouts]
+    done = _cgcount.count_each([os.path.abspath(__file__)], ["per-call"], layouts)
+    rows = []
+    for n in layouts:
+        c = [x / PER_CALL for x in done[("per-call", n)][1]]
+        rows.append(((c[0] + c[2]) / 2, (c[1] + c[3]) / 2))
+    base = statistics.fmean(r[0] for r in rows)
+    extra = statistics.fmean(r[1] - r[0] for r in rows)
+    print(f"per call: one decode-shaped allocate_slots (nothing to allocate), {PER_CALL} calls a "
+          f"region, vLLM's method and the transaction alternating in one process, "
+          f"{len(layouts)} heap layout(s)")
+    print(f"vLLM {base:,.0f} Ir/call; through the transaction +{extra:,.0f} Ir/call "
+          f"({extra / base:.2%}); per layout: "
+          + " ".join(f"+{b - a:,.0f}" for a, b in rows))
+    return 0
+
+
 def instructions(args, form: str) -> int:
     why = _cgcount.available()
     if why:
@@ -184,17 +240,25 @@ def main(argv=None) -> int:
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions of one replay off and on under callgrind "
                          "instead of timing")
+    ap.add_argument("--per-call", action="store_true",
+                    help="count one allocate_slots call through vLLM's method and through "
+                         "the transaction under callgrind (the transaction's own cost)")
     ap.add_argument("--layouts", type=int, default=len(_cgcount.LAYOUTS),
                     choices=range(1, len(_cgcount.LAYOUTS) + 1),
-                    help="with --instructions: heap layouts each side is counted under")
+                    help="with --instructions or --per-call: heap layouts each side is "
+                         "counted under")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     form = "one Python transaction, its reads written out per manager"
     sequence = make_sequence(args.requests, args.steps, args.batch)
     num_blocks = 4096
+    if args.child == "per-call":
+        return child_per_call(args)
     if args.child:
         return child_instructions(args, sequence, num_blocks)
+    if args.per_call:
+        return per_call(args)
     if args.instructions:
         return instructions(args, form)
     print(f"KVCacheManager: full attention + Mamba align, prefix caching on, block {BS}; "

@@ -302,22 +302,76 @@ def test_unknown_manager_type_is_left_alone(kvguard_log):
 
 
 
-def test_other_leading_parameters_are_left_alone():
-    """The transaction passes vLLM's leading parameters on by position: a vLLM whose
-    allocate_slots orders them differently gets no transaction (and one log line)."""
+def test_the_transaction_takes_and_passes_on_vllm_s_own_parameters():
+    """The transaction declares vLLM's allocate_slots parameters (no *args/**kwargs to build
+    per call) and passes each one on as given, by position or keyword, defaults included."""
+    import inspect
+
+    activate()
+    m = hybrid_manager(32)
+    fix = allocator._State.fix
+    seen = []
+    txn = fix.transaction(m, lambda *args, **kwargs: seen.append((args, kwargs)))
+    vllm_params = list(inspect.signature(type(m).allocate_slots).parameters)[1:]
+    assert list(inspect.signature(txn).parameters) == vllm_params
+    req = make_request("r", prompt(1, 40))
+    values = {name: object() for name in vllm_params[1:]}
+    txn(req, **values)
+    assert seen[-1] == ((req, *values.values()), {})
+    txn(req, 40)
+    defaults = [p.default for p in inspect.signature(type(m).allocate_slots).parameters.values()]
+    assert seen[-1] == ((req, 40, *defaults[3:]), {})
+
+
+def test_reordered_parameters_are_passed_on_by_their_own_order():
+    """A vLLM whose allocate_slots orders its parameters differently gets a transaction
+    with that order, and a half-done allocation through it is still rolled back."""
     from vllm_kvguard.fixes.plan import unsupported_reason
 
+    activate()
     m = hybrid_manager(32)
-    assert unsupported_reason(m) is None
     base = type(m)
+    calls = []
 
     def allocate_slots(self, request, num_new_tokens, num_lookahead_tokens=0,
                        num_new_computed_tokens=0, new_computed_blocks=None, **kwargs):
+        calls.append((num_new_tokens, num_lookahead_tokens, num_new_computed_tokens))
         return base.allocate_slots(self, request, num_new_tokens, num_new_computed_tokens,
                                    new_computed_blocks, num_lookahead_tokens, **kwargs)
 
     m.__class__ = type("Reordered", (base,), {"allocate_slots": allocate_slots})
-    assert unsupported_reason(m) == "an allocate_slots with other leading parameters"
+    assert unsupported_reason(m) is None
+    txn = allocator._State.fix.transaction(m, allocate_slots.__get__(m))
+    req = make_request("r", prompt(1, 40))
+    free = m.block_pool.get_num_free_blocks()
+    arm(2)                                               # the Mamba group's pop, last
+    assert txn(req, 40, 2, 0, None) is None
+    assert fired() == 1 and calls == [(40, 2, 0)]
+    assert m.block_pool.get_num_free_blocks() == free
+    assert all(req.request_id not in g.req_to_blocks or not g.req_to_blocks[req.request_id]
+               for g in groups(m))
+
+
+def test_a_parameter_named_like_the_transaction_s_own_names_is_refused():
+    """A vLLM parameter called like one of the transaction's names (here ``log``) would
+    shadow it: no transaction is compiled for that signature."""
+    with pytest.raises(ValueError, match="log would shadow"):
+        rollback._compiled(("v0 = ()",), ("request", "log=None"), ("request", "log"))
+    rollback._compiled(("v0 = ()",), ("request", "log_stats=None"), ("request", "log_stats"))
+
+
+def test_an_allocate_slots_without_a_request_parameter_is_left_alone():
+    from vllm_kvguard.fixes.plan import unsupported_reason
+
+    m = hybrid_manager(32)
+    base = type(m)
+
+    def allocate_slots(self, req, num_new_tokens, *args, **kwargs):
+        return base.allocate_slots(self, req, num_new_tokens, *args, **kwargs)
+
+    m.__class__ = type("Renamed", (base,), {"allocate_slots": allocate_slots})
+    assert unsupported_reason(m) == "an allocate_slots without a 'request' parameter"
+
 
 def test_free_queue_order_is_restored_exactly():
     """Touched eviction candidates go back behind their old neighbours, popped blocks to

@@ -22,13 +22,6 @@ KNOWN_MANAGERS = frozenset({
 KNOWN_COORDINATORS = frozenset({
     "KVCacheCoordinatorNoPrefixCache", "UnitaryKVCacheCoordinator", "HybridKVCacheCoordinator",
 })
-#: ``allocate_slots``' leading parameters and defaults, which the transaction takes by
-#: name and passes on by position (the same on every supported vLLM).
-LEADING = (("request", inspect.Parameter.empty), ("num_new_tokens", inspect.Parameter.empty),
-           ("num_new_computed_tokens", 0), ("new_computed_blocks", None),
-           ("num_lookahead_tokens", 0))
-
-
 class Align:
     """One Mamba align group: what its undo needs besides the record."""
 
@@ -50,17 +43,19 @@ class Plan:
     ``cached``: each group's ``num_cached_block``; ``align``: the Mamba align groups
     (:class:`Align`); ``rare``: per-request dicts usually empty (``_partial_hit_reqs``,
     ``_producer_partial_tail_reqs``), read only when one is not; ``record_ids``: managers
-    that append to ``new_block_ids``.
+    that append to ``new_block_ids``; ``signature``: ``allocate_slots``' parameters as the
+    transaction declares and passes them on (:func:`_signature`).
     """
 
     __slots__ = ("manager", "managers", "gids", "journal", "cached", "align", "rare",
-                 "record_ids", "containers", "__weakref__")
+                 "record_ids", "containers", "signature", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
         self.managers = managers
         self.gids = {id(m): getattr(m, "kv_cache_group_id", i) for i, m in enumerate(managers)}
         self.journal = journal
+        self.signature = _signature(type(manager).allocate_slots)
         self.cached = tuple(m.num_cached_block for m in managers)
         self.align = tuple(Align(i, m) for i, m in enumerate(managers)
                            if getattr(m, "mamba_cache_mode", None) == "align")
@@ -96,7 +91,7 @@ class Plan:
             names[f"blocks{i}"], names[f"last{i}"] = a.rtb.get, a.last_state.get
             names[f"members{i}"] = a.members
             v = f"v{len(exprs)}"
-            exprs += [f"blocks{i}(rid)", f"len({v}) if {v} else 0",
+            exprs += [f"blocks{i}(rid)", f"len({v}) if {v} is not None else 0",
                       f"last{i}(rid)", f"rid in members{i}"]
         for k, d in enumerate(self.rare):
             names[f"rare{k}"] = d
@@ -129,12 +124,8 @@ def unsupported_reason(manager) -> str | None:
     managers = getattr(coord, "single_type_managers", None)
     if coord is None or managers is None:
         return "a KVCacheManager without coordinator.single_type_managers"
-    try:
-        params = list(inspect.signature(type(manager).allocate_slots).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    if tuple((p.name, p.default) for p in params[1:len(LEADING) + 1]) != LEADING:
-        return "an allocate_slots with other leading parameters"
+    if "request" not in [p.name for p in _parameters(type(manager).allocate_slots)[1:]]:
+        return "an allocate_slots without a 'request' parameter"
     if type(coord).__name__ not in KNOWN_COORDINATORS:
         return f"coordinator {type(coord).__name__}"
     unknown = sorted({type(m).__name__ for m in managers} - KNOWN_MANAGERS)
@@ -151,3 +142,38 @@ def unsupported_reason(manager) -> str | None:
                 and isinstance(getattr(m, "_allocated_block_reqs", None), set)):
             return "a Mamba align manager of an unknown shape"
     return None
+
+
+def _signature(fn) -> tuple[tuple, tuple, dict]:
+    """``fn``'s parameters after ``self`` as the transaction declares them, how it passes
+    them on (by position where it can) and the defaults by the names the declaration uses:
+    vLLM's own parameters, so no call builds an ``*args`` tuple or ``**kwargs`` dict."""
+    params, forward, defaults = [], [], {}
+    kw_only = False
+    for i, p in enumerate(_parameters(fn)[1:]):
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            forward.append(f"*{p.name}")
+            kw_only = True
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            forward.append(f"**{p.name}")
+            continue
+        if p.kind is p.KEYWORD_ONLY and not kw_only:
+            params.append("*")
+            kw_only = True
+        decl = p.name
+        if p.default is not p.empty:
+            defaults[f"default{i}"] = p.default
+            decl += f"=default{i}"
+        params.append(decl)
+        forward.append(f"{p.name}={p.name}" if kw_only else p.name)
+    return tuple(params), tuple(forward), defaults
+
+
+def _parameters(fn) -> list:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 import weakref
 
 from vllm_kvguard import report
@@ -36,38 +37,49 @@ from vllm_kvguard.log import logger, once
 __all__ = ["Rollback", "RollbackFailed"]
 
 #: The transaction, compiled once per record shape and run with one manager's names
-#: (:meth:`Rollback.transaction`). ``{reads}`` are :meth:`.plan.Plan.reads`: the reads
-#: written out, because as a loop over the groups they cost more than the one point of
-#: instructions a hand-written form may cost (see the module docstring); ``{values}``
-#: the locals they set, made a tuple only when the call failed.
+#: (:meth:`Rollback.transaction`). ``{params}`` are vLLM's own parameters and ``{forward}``
+#: passes them on (:attr:`.plan.Plan.signature`: no ``*args``/``**kwargs`` to build per
+#: call); ``{reads}`` are :meth:`.plan.Plan.reads`: the reads written out, because as a
+#: loop over the groups they cost more than the one point of instructions a hand-written
+#: form may cost (see the module docstring); ``{values}`` the locals they set, made a
+#: tuple only when the call failed.
 TRANSACTION = """\
-def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
-                   new_computed_blocks=None, num_lookahead_tokens=0, *args, **kwargs):
+def allocate_slots({params}):
     try:
         rid = request.request_id
 {reads}
     except Exception as exc:                    # fail open: rollback off, vLLM's call
         disable(exc)
-        return fn(request, num_new_tokens, num_new_computed_tokens,
-                  new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
+        return fn({forward})
     if log:
         log.clear()                             # the journal now logs this call only
     try:
-        if args or kwargs:
-            return fn(request, num_new_tokens, num_new_computed_tokens,
-                      new_computed_blocks, num_lookahead_tokens, *args, **kwargs)
-        return fn(request, num_new_tokens, num_new_computed_tokens,   # no repacking
-                  new_computed_blocks, num_lookahead_tokens)
+        return fn({forward})
     except Exception as error:
         return recover(plan, ({values},), list(log), rid, request, error)
 """
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(reads: tuple):
-    source = TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
-                                values=", ".join(f"v{j}" for j in range(len(reads))))
-    return compile(source, "<vllm_kvguard transaction>", "exec")
+def _compiled(reads: tuple, params: tuple, forward: tuple):
+    own = _function(_source(reads, ("request",), ()))
+    taken = {p.lstrip("*").split("=")[0] for p in params} - {"", "request"}
+    clash = taken & (set(own.co_names) | set(own.co_varnames))
+    if clash:
+        raise ValueError(f"allocate_slots parameter(s) {', '.join(sorted(clash))} would "
+                         "shadow the transaction's own names")
+    return compile(_source(reads, params, forward), "<vllm_kvguard transaction>", "exec")
+
+
+def _source(reads, params, forward) -> str:
+    return TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
+                              values=", ".join(f"v{j}" for j in range(len(reads))),
+                              params=", ".join(params), forward=", ".join(forward))
+
+
+def _function(source: str) -> types.CodeType:
+    module = compile(source, "<vllm_kvguard transaction>", "exec")
+    return next(c for c in module.co_consts if isinstance(c, types.CodeType))
 
 
 class Rollback:
@@ -123,9 +135,10 @@ class Rollback:
             if plan is None:
                 return None
             reads, names = plan.reads()
-            names.update(fn=fn, log=plan.journal.log, plan=plan, recover=self.recover,
-                         disable=self.disable)
-            exec(_compiled(tuple(reads)), names)
+            params, forward, defaults = plan.signature
+            names.update(defaults, fn=fn, log=plan.journal.log, plan=plan,
+                         recover=self.recover, disable=self.disable)
+            exec(_compiled(tuple(reads), params, forward), names)
         except Exception as exc:
             self.disable(exc)
             return None
