@@ -6,11 +6,12 @@ blocks it took, touched or hashed) and the state it left; the plan lists the few
 that cannot, so the transaction reads only those before calling vLLM: each group's
 ``num_cached_block`` entry, and per Mamba align group the block list, its length, the
 ``last_state_block_idx`` entry and the ``_allocated_block_reqs`` membership.
-:meth:`Plan.reads` writes those reads out as statements for the transaction (see
+:attr:`Plan.reads` are those reads written out as statements for the transaction (see
 :mod:`.rollback` for why they are not a loop).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 #: Managers and coordinators whose per-request state this module knows (exact names).
@@ -44,11 +45,13 @@ class Plan:
     (:class:`Align`); ``rare``: per-request dicts usually empty (``_partial_hit_reqs``,
     ``_producer_partial_tail_reqs``), read only when one is not; ``record_ids``: managers
     that append to ``new_block_ids``; ``signature``: ``allocate_slots``' parameters as the
-    transaction declares and passes them on (:func:`_signature`).
+    transaction declares and passes them on (:func:`_signature`); ``reads`` and ``names``:
+    the record as statements and the objects their names stand for (:meth:`_write_reads`),
+    worked out once here for every transaction built on this plan.
     """
 
     __slots__ = ("manager", "managers", "gids", "journal", "cached", "align", "rare",
-                 "record_ids", "containers", "signature", "__weakref__")
+                 "record_ids", "containers", "signature", "reads", "names", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -75,8 +78,9 @@ class Plan:
         self.containers = tuple(containers)
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))
+        self.reads, self.names = self._write_reads()
 
-    def reads(self) -> tuple[list[str], dict]:
+    def _write_reads(self) -> tuple[tuple, dict]:
         """The record as statements over the request id ``rid``, each setting one local
         ``v0``, ``v1``, ... (the transaction builds the tuple only on failure), and the
         objects their names stand for: each group's cached-block count; per align group
@@ -104,10 +108,10 @@ class Plan:
         else:
             names["rare"] = self.rare
             exprs.append("any(rare) and [d.get(rid) for d in rare]")
-        return [f"v{j} = {e}" for j, e in enumerate(exprs)], names
+        return tuple(f"v{j} = {e}" for j, e in enumerate(exprs)), names
 
     def nest(self, flat: tuple) -> tuple:
-        """The values of :meth:`reads`, in order, as the undo takes them: (cached counts,
+        """The values of :attr:`reads`, in order, as the undo takes them: (cached counts,
         per align group (blocks, length, last state index, member), rare values or
         None)."""
         n = len(self.cached)
@@ -172,8 +176,14 @@ def _signature(fn) -> tuple[tuple, tuple, dict]:
     return tuple(params), tuple(forward), defaults
 
 
-def _parameters(fn) -> list:
+def _parameters(fn) -> tuple:
+    """``fn``'s parameters, read once per function (every manager of a class asks)."""
+    return _parameters_of(inspect.unwrap(fn))
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters_of(fn) -> tuple:
     try:
-        return list(inspect.signature(fn).parameters.values())
+        return tuple(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return []
+        return ()

@@ -39,7 +39,7 @@ __all__ = ["Rollback", "RollbackFailed"]
 #: The transaction, compiled once per record shape and run with one manager's names
 #: (:meth:`Rollback.transaction`). ``{params}`` are vLLM's own parameters and ``{forward}``
 #: passes them on (:attr:`.plan.Plan.signature`: no ``*args``/``**kwargs`` to build per
-#: call); ``{reads}`` are :meth:`.plan.Plan.reads`: the reads written out, because as a
+#: call); ``{reads}`` are :attr:`.plan.Plan.reads`: the reads written out, because as a
 #: loop over the groups they cost more than the one point of instructions a hand-written
 #: form may cost (see the module docstring); ``{values}`` the locals they set, made a
 #: tuple only when the call failed.
@@ -134,11 +134,11 @@ class Rollback:
             plan = self.plan_for(manager)
             if plan is None:
                 return None
-            reads, names = plan.reads()
             params, forward, defaults = plan.signature
-            names.update(defaults, fn=fn, log=plan.journal.log, plan=plan,
+            names = dict(plan.names, fn=fn, log=plan.journal.log, plan=plan,
                          recover=self.recover, disable=self.disable)
-            exec(_compiled(tuple(reads), params, forward), names)
+            names.update(defaults)
+            exec(_compiled(plan.reads, params, forward), names)
         except Exception as exc:
             self.disable(exc)
             return None
