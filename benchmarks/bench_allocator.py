@@ -18,9 +18,10 @@ then one counted on a fresh manager; it prints on/off per layout and of the mean
 
 ``--per-call`` counts the transaction's own cost, which a replay's count (that moves
 between runs by more than the transaction's smaller changes) cannot show: one decode-shaped
-``allocate_slots`` call with nothing to allocate, made through vLLM's method and through the
-installed transaction on the same manager and request, in alternating regions of one
-callgrind child per layout; it prints the instructions per call of each and the difference.
+``allocate_slots`` call with nothing to allocate, made through vLLM's method, through a
+pass-through of the same signature (``_floor.py``: what any per-call wrapper costs) and
+through the installed transaction, on the same manager and request, in alternating regions
+of one callgrind child per layout; it prints the instructions per call of each.
 
     python benchmarks/bench_allocator.py [--rounds 25] [--requests 48] [--steps 96]
                                          [--instructions [--layouts 5] | --per-call]
@@ -36,6 +37,7 @@ import sys
 import time
 
 import _cgcount  # noqa: E402
+import _floor  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import hybrid_manager, make_request  # noqa: E402
 
 from vllm_kvguard import activation  # noqa: E402
@@ -154,7 +156,7 @@ PER_CALL = 2000        # calls per counted region of --per-call
 
 def child_per_call(args) -> int:
     """In a callgrind child: regions of ``PER_CALL`` calls, through vLLM's own
-    ``allocate_slots`` and through the transaction, alternating (vLLM, txn, vLLM, txn)."""
+    ``allocate_slots``, the pass-through and the transaction, alternating (twice each)."""
     _cgcount.shift_layout(args.layout)
     set_patch(True)
     manager = hybrid_manager(1024, enable_caching=True, max_model_len=4096)
@@ -163,17 +165,18 @@ def child_per_call(args) -> int:
     req.num_computed_tokens = 40
     txn = vars(manager)["allocate_slots"]
     vllm = type(manager).allocate_slots.__wrapped__.__get__(manager)
+    floor = _floor.pass_through(manager, vllm)
 
     def calls(fn):
         for _ in range(PER_CALL):
             fn(req, 1, num_lookahead_tokens=2)
 
-    for fn in (vllm, txn):
+    for fn in (vllm, floor, txn):
         calls(fn)                                               # warm-up, uncounted
     gc.collect()
-    for fn in (vllm, txn, vllm, txn):
+    for fn in (vllm, floor, txn, vllm, floor, txn):
         _cgcount.region(calls, fn)
-    _cgcount.emit(dict(regions=4))
+    _cgcount.emit(dict(regions=6))
     return 0
 
 
@@ -187,15 +190,17 @@ def per_call(args) -> int:
     rows = []
     for n in layouts:
         c = [x / PER_CALL for x in done[("per-call", n)][1]]
-        rows.append(((c[0] + c[2]) / 2, (c[1] + c[3]) / 2))
+        rows.append(((c[0] + c[3]) / 2, (c[1] + c[4]) / 2, (c[2] + c[5]) / 2))
     base = statistics.fmean(r[0] for r in rows)
-    extra = statistics.fmean(r[1] - r[0] for r in rows)
+    floor = statistics.fmean(r[1] - r[0] for r in rows)
+    extra = statistics.fmean(r[2] - r[0] for r in rows)
     print(f"per call: one decode-shaped allocate_slots (nothing to allocate), {PER_CALL} calls a "
-          f"region, vLLM's method and the transaction alternating in one process, "
-          f"{len(layouts)} heap layout(s)")
-    print(f"vLLM {base:,.0f} Ir/call; through the transaction +{extra:,.0f} Ir/call "
-          f"({extra / base:.2%}); per layout: "
-          + " ".join(f"+{b - a:,.0f}" for a, b in rows))
+          f"region, vLLM's method, a pass-through of its signature and the transaction "
+          f"alternating in one process, {len(layouts)} heap layout(s)")
+    print(f"vLLM {base:,.0f} Ir/call; through a pass-through +{floor:,.0f} ({floor / base:.2%}); "
+          f"through the transaction +{extra:,.0f} Ir/call ({extra / base:.2%}), of which its "
+          f"record, journal reset and try +{extra - floor:,.0f}; per layout: "
+          + " ".join(f"+{f - a:,.0f}/+{t - a:,.0f}" for a, f, t in rows))
     return 0
 
 

@@ -28,9 +28,14 @@ Two figures, as on/off ratios side by side
     Target: the scheduler step with the plugin at >= 0.99x the unpatched one, i.e.
     instructions on/off <= 1.01.
 
+    ``--floor`` counts a third side, "floor": the plugin on with its allocator transaction
+    cut to a pass-through of vLLM's own signature (``_floor.py``), and splits on's excess
+    into the floor (what any per-call Python wrapper of ``allocate_slots`` costs, with the
+    pool seams and other patches) and the transaction's record above it.
+
     python benchmarks/bench_scheduler.py [--pairs 15] [--steps 24] [--instr-steps 4]
                                          [--warmup 16] [--layouts 5] [--no-instructions]
-                                         [--no-cpu]
+                                         [--no-cpu] [--floor]
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import sys
 import time
 
 import _cgcount
+import _floor
 
 BLOCK_SIZE = 16
 K = 3                       # ngram draft tokens
@@ -255,7 +261,9 @@ def child_instructions(args) -> int:
     """In a callgrind child: the heap layout shifted, the side set, a fresh scheduler
     warmed up uninstrumented, then ``--instr-steps`` steps counted."""
     _cgcount.shift_layout(args.layout)
-    set_plugin(args.child == "on")
+    set_plugin(args.child in ("on", "floor"))
+    if args.child == "floor":
+        _floor.cut_to_pass_through()
     run = Run(args.requests, args.k, args.num_blocks, args.seed)
     run.steps(args.warmup)
     gc.collect()
@@ -265,22 +273,26 @@ def child_instructions(args) -> int:
 
 
 def instructions(args) -> dict:
-    """Instructions per counted step: {"off": [per layout], "on": [...], "summary": ...}."""
+    """Instructions per counted step: {"off": [per layout], "on": [...], "floor": [...]
+    (with --floor), "summary": ...}."""
     argv = [os.path.abspath(__file__), "--requests", str(args.requests), "--k", str(args.k),
             "--num-blocks", str(args.num_blocks), "--seed", str(args.seed),
             "--warmup", str(args.warmup), "--instr-steps", str(args.instr_steps)]
     layouts = _cgcount.LAYOUTS[:args.layouts]
-    done = _cgcount.count_each(argv, ["off", "on"], layouts)
-    res: dict = {"off": [], "on": [], "layouts": layouts}
+    sides = ["off", "on"] + (["floor"] if args.floor else [])
+    done = _cgcount.count_each(argv, sides, layouts)
+    res: dict = {side: [] for side in sides}
+    res["layouts"] = layouts
     digests = set()
     for n in layouts:
-        for side in ("off", "on"):
+        for side in sides:
             result, (count,) = done[(side, n)]
             res[side].append(count / args.instr_steps)
             res["summary"] = result["summary"]
             digests.add(result["summary"]["digest"])
     if len(digests) != 1:
-        raise RuntimeError("off and on scheduled different work (step fingerprints differ)")
+        raise RuntimeError(f"{', '.join(sides)} scheduled different work (step fingerprints "
+                           "differ)")
     return res
 
 
@@ -309,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-instructions", action="store_true", help="skip the callgrind counts")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU-time pairs")
+    ap.add_argument("--floor", action="store_true",
+                    help="also count the plugin with its transaction cut to a pass-through")
     ap.add_argument("--layouts", type=int, default=len(_cgcount.LAYOUTS),
                     choices=range(1, len(_cgcount.LAYOUTS) + 1),
                     help="heap layouts each side is counted under (one child each)")
@@ -350,6 +364,11 @@ def main(argv=None) -> int:
             rows.append(("instructions/step", f"{off:,.0f}", f"{on:,.0f}", on / off,
                          "exact per layout; per-layout ratios " +
                          " ".join(f"{r:.4f}" for r in per)))
+            if args.floor:
+                floor = statistics.fmean(instr["floor"])
+                rows.append(("floor: pass-through", f"{off:,.0f}", f"{floor:,.0f}", floor / off,
+                             "on/off of the floor side; per layout " + " ".join(
+                                 f"{b / a:.4f}" for a, b in zip(instr["off"], instr["floor"]))))
     if not args.no_cpu:
         sample(False, args, args.steps)                        # warm both paths
         sample(True, args, args.steps)
@@ -384,6 +403,14 @@ def main(argv=None) -> int:
         verdict = "PASS" if ratio <= 1.01 else "MISS"
         print(f"{verdict}: scheduler step with the plugin at {1 / ratio:.4f}x the unpatched "
               f"step in instructions (on/off {ratio:.4f}; target >= 0.99x, on/off <= 1.01)")
+        if "floor" in instr:
+            off, on = statistics.fmean(instr["off"]), statistics.fmean(instr["on"])
+            floor = statistics.fmean(instr["floor"])
+            print(f"of on's excess {ratio - 1:.2%}: {floor / off - 1:.2%} is the floor (a "
+                  f"pass-through of allocate_slots' signature, the pool seams and the other "
+                  f"patches), {(on - floor) / off:.2%} the transaction's record, journal "
+                  f"reset and try ({(on - floor) / RUNNING:,.0f} instructions per running "
+                  f"request and step)")
     return 0
 
 

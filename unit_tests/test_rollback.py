@@ -290,6 +290,45 @@ def test_fast_path_and_pool_seams_are_removed_on_deactivate():
     assert decode(m, run) is not None                    # vLLM runs as before
 
 
+def test_vllms_own_metrics_collector_keeps_its_reports():
+    """With vLLM's KV-cache metrics on, the journal's collector wraps vLLM's: every block
+    handed out still reaches it, anything else vLLM reads from it is answered by it, a
+    failure is still rolled back, and deactivating puts vLLM's object back."""
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    activate()
+    own = KVCacheMetricsCollector(sample_rate=1.0)
+    m = make_manager([attention_spec(BS), mamba_spec(BS, "align")], num_blocks=48,
+                     metrics_collector=own)
+    pool = m.block_pool
+    assert pool.metrics_collector is own
+    assert admit(m, make_request("r", prompt(1, 40))) is not None
+    assert pool.metrics_collector is not own             # the journal's, around vLLM's
+    assert pool.metrics_collector.sample_rate == 1.0     # answered by vLLM's
+    held = {b.block_id for g in groups(m) for b in g.req_to_blocks["r"] if not b.is_null}
+    assert held and held <= set(own.block_metrics)       # every block handed out reported
+    before = state(m)
+    arm(2)                                               # the Mamba group's pop
+    assert admit(m, make_request("r2", prompt(2, 40))) is None
+    assert state_diff(before, state(m)) == []
+    activation.deactivate()
+    assert pool.metrics_collector is own
+
+
+def test_without_a_vllm_collector_the_journal_answers_only_the_reports():
+    """vLLM has no collector: the journal's reports pops into its log and answers nothing
+    else (vLLM code reading ``sample_rate`` from a collector it never set fails loudly,
+    as it would on ``None``)."""
+    activate()
+    m, run = cached_prefix_manager()
+    c = m.block_pool.metrics_collector
+    assert c.on_block_evicted(object()) == 0 and c.on_block_accessed(object()) == 0
+    c.reset()
+    with pytest.raises(AttributeError):
+        c.sample_rate
+    assert decode(m, run) is not None
+
+
 def test_unknown_manager_type_is_left_alone(kvguard_log):
     activate()
     m = hybrid_manager(32)

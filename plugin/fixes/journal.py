@@ -24,20 +24,35 @@ _ref_and_prev = operator.attrgetter("ref_cnt", "prev_free_block")
 INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
 
 
-class Collector:
-    """``BlockPool.metrics_collector`` while the journal is installed.
+#: What the collector does with evictions and accesses when vLLM has no collector: a C
+#: callable of one argument without effect (``id`` would raise an audit event per call).
+_IGNORE = ().count
 
-    With no collector of vLLM's own, the hot report is the log's ``append`` and the two
-    others are ``id``: C callables taking one argument, so a report costs no frame."""
+
+class Collector:
+    """``BlockPool.metrics_collector`` while the journal is installed and vLLM has no
+    collector of its own: the hot report is the log's ``append`` and the two others do
+    nothing, C callables taking one argument, so a report costs no Python frame. No
+    ``__getattr__``: with one, every attribute vLLM reads from it takes the slow path."""
+
+    __slots__ = ("on_block_allocated", "on_block_evicted", "on_block_accessed")
+
+    def __init__(self, log: list):
+        self.on_block_allocated = log.append
+        self.on_block_evicted = self.on_block_accessed = _IGNORE
+
+    def reset(self) -> None:
+        pass
+
+
+class ForwardingCollector:
+    """The same, around vLLM's own collector: every report also goes to it, and anything
+    else vLLM asks (``sample_rate``, ``drain_events``) is answered by it."""
 
     __slots__ = ("on_block_allocated", "on_block_evicted", "on_block_accessed", "inner")
 
-    def __init__(self, log: list, inner=None):
+    def __init__(self, log: list, inner):
         self.inner = inner
-        if inner is None:
-            self.on_block_allocated = log.append
-            self.on_block_evicted = self.on_block_accessed = id
-            return
         report = inner.on_block_allocated
 
         def on_block_allocated(block):
@@ -49,11 +64,15 @@ class Collector:
         self.on_block_accessed = inner.on_block_accessed
 
     def reset(self) -> None:
-        if self.inner is not None:
-            self.inner.reset()
+        self.inner.reset()
 
-    def __getattr__(self, name):            # anything else vLLM asks its collector
+    def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def collector(log: list, inner):
+    """The journal's ``metrics_collector`` for a pool whose own is ``inner``."""
+    return Collector(log) if inner is None else ForwardingCollector(log, inner)
 
 
 class PoolJournal:
@@ -80,7 +99,7 @@ class PoolJournal:
 
     def install(self) -> bool:
         """Put the seams on the pool; False (nothing left installed) if one cannot be."""
-        seams = {"metrics_collector": Collector(self.log, self.pool.metrics_collector),
+        seams = {"metrics_collector": collector(self.log, self.pool.metrics_collector),
                  "touch": self._touch, "_insert_block_hash": self._inserting()}
         done = []
         for name, value in seams.items():

@@ -60,14 +60,15 @@ def kv_cache_config(specs, num_blocks: int):
 
 
 def make_manager(specs, *, num_blocks: int, max_model_len: int = 1024,
-                 enable_caching: bool = True, block_size: int | None = None):
-    """A real ``KVCacheManager`` with one KV-cache group per spec over one pool."""
+                 enable_caching: bool = True, block_size: int | None = None, **extra):
+    """A real ``KVCacheManager`` with one KV-cache group per spec over one pool;
+    ``extra``: more of its keyword arguments (``metrics_collector``)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     bs = block_size or specs[0].block_size
     kwargs = dict(kv_cache_config=kv_cache_config(specs, num_blocks),
                   max_model_len=max_model_len, scheduler_block_size=bs, hash_block_size=bs,
-                  max_in_flight_tokens=max_model_len, enable_caching=enable_caching)
+                  max_in_flight_tokens=max_model_len, enable_caching=enable_caching, **extra)
     return KVCacheManager(**accepted(KVCacheManager.__init__, kwargs))
 
 
