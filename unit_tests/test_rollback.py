@@ -316,9 +316,9 @@ def test_vllms_own_metrics_collector_keeps_its_reports():
 
 
 def test_without_a_vllm_collector_the_journal_answers_only_the_reports():
-    """vLLM has no collector: the journal's reports pops into its log and answers nothing
-    else (vLLM code reading ``sample_rate`` from a collector it never set fails loudly,
-    as it would on ``None``)."""
+    """vLLM has no collector: the journal's logs the pops, ignores evictions and accesses,
+    and answers nothing else (reading ``sample_rate`` from a collector vLLM never set
+    fails at once, as it would on ``None``)."""
     activate()
     m, run = cached_prefix_manager()
     c = m.block_pool.metrics_collector
