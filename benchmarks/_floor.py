@@ -2,7 +2,8 @@
 
 The plugin as installed, with its ``allocate_slots`` transaction cut to a pass-through of
 vLLM's own signature: one Python frame per call, nothing recorded; the pool seams, the
-other patches and the fast-path dispatch stay. What "on" costs above this floor is the
+other patches and the fast-path dispatch stay (the seams still log, and with no
+transaction to empty it the log grows for the benchmark's few steps). What "on" costs above this floor is the
 transaction's record, journal reset and ``try``; what the floor costs over "off", no
 per-call Python wrapper of ``allocate_slots`` can avoid.
 """
