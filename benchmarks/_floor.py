@@ -14,7 +14,7 @@ PASS_THROUGH = "def allocate_slots({params}):\n    return fn({forward})\n"
 
 def cut_to_pass_through() -> None:
     """Every transaction built from now on in this process is the pass-through."""
-    from vllm_kvguard.fixes import rollback
+    from vllm_kvguard.fixes.transaction import rollback
 
     rollback.TRANSACTION = PASS_THROUGH
     rollback._compiled.cache_clear()
@@ -23,7 +23,7 @@ def cut_to_pass_through() -> None:
 def pass_through(manager, fn):
     """``fn`` (vLLM's ``allocate_slots`` bound to ``manager``) wrapped the way the
     installed allocator patch wraps it, cut to the pass-through."""
-    from vllm_kvguard.fixes import rollback
+    from vllm_kvguard.fixes.transaction import rollback
     from vllm_kvguard.patches import allocator
 
     saved = rollback.TRANSACTION

@@ -12,7 +12,7 @@ overhead ``armed / bare - 1`` as the median of the per-round ratios (and from th
 rounds). The target is <= 3% for batches that get their graph (the steady state).
 
 V2 is armed without any wrapper (misses and FULL->PIECEWISE fall-throughs are seen from
-inside, see ``vllm_kvguard.fixes.fallbacks_v2``), so its graphed case should read ~0%. For
+inside, see ``vllm_kvguard.fixes.cudagraph.fallbacks_v2``), so its graphed case should read ~0%. For
 scale, the last row is what a generic class-level ``hooked`` wrapt wrapper would cost.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     import logging
 
     from vllm_kvguard import log, report
-    from vllm_kvguard.fixes import fallbacks, graph_owners
+    from vllm_kvguard.fixes.cudagraph import fallbacks, graph_owners
     from vllm_kvguard.hostcall import hooked
     from vllm_kvguard.patches import cudagraph
     from vllm_kvguard.registry import KvguardWrapper

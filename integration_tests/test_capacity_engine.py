@@ -27,7 +27,7 @@ def main():
     from vllm import SamplingParams
     from vllm import LLM
     from vllm_kvguard import activation
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.estimation import capacity
     from vllm_kvguard.tools.tiny_models import engine_kwargs, write_model
 
     mml, blocks, nreq = (int(a) for a in sys.argv[1:4])

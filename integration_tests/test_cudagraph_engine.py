@@ -54,7 +54,7 @@ def _get(url: str) -> str:
 @pytest.mark.slow          # the serving tests read /metrics in the default run
 @pytest.mark.timeout(420)
 def test_openai_server_metrics_show_the_counters(tmp_path):
-    from vllm_kvguard.fixes.fallbacks import REASONS
+    from vllm_kvguard.fixes.cudagraph.fallbacks import REASONS
     from vllm_kvguard.tools.tiny_models import write_model
 
     port = _free_port()

@@ -2,7 +2,7 @@
 
 Targets
     ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (all pins)
-        -> hook ``kvguard_admit`` -> :mod:`vllm_kvguard.fixes.admission`: a request whose
+        -> hook ``kvguard_admit`` -> :mod:`vllm_kvguard.fixes.estimation.admission`: a request whose
         prompt plus ``max_tokens`` can never fit the KV cache (by the certificate its
         EngineCore published at startup, through the ``warmup`` patch's startup report)
         is refused with a ``ValueError`` naming its block need, the pool and the bounding
@@ -31,7 +31,7 @@ def process_inputs(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes import admission
+    from vllm_kvguard.fixes.estimation import admission
     from vllm_kvguard.manager import register
 
     register(admission.DOOR, "kvguard.door")

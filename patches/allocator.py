@@ -2,16 +2,16 @@
 
 Targets
     ``KVCacheManager.allocate_slots`` -> hook ``kvguard_allocate_slots`` ->
-        :class:`vllm_kvguard.fixes.rollback.Rollback` (the transaction)
+        :class:`vllm_kvguard.fixes.transaction.rollback.Rollback` (the transaction)
     ``Scheduler.schedule`` -> hook ``kvguard_after_schedule`` ->
-        :mod:`vllm_kvguard.fixes.audit` (``KVGUARD_AUDIT=1``), :mod:`vllm_kvguard.fixes.liveness`
+        :mod:`vllm_kvguard.fixes.transaction.audit` (``KVGUARD_AUDIT=1``), :mod:`vllm_kvguard.fixes.estimation.liveness`
 Run-time changes
     ``KVCacheManager.allocate_slots`` per manager: while the rollback fix is the only
     ``kvguard_allocate_slots`` implementation, each manager's first call installs its
     transaction as an instance attribute, so later calls skip wrapt, ``HostCall`` and
     pluggy (``allocate_slots`` runs once per scheduled request per step). Any other
     registration, a trip, or revert removes them all.
-    ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.journal`): its
+    ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.transaction.journal`): its
     ``metrics_collector`` (wrapping vLLM's own, if any), ``touch`` and
     ``_insert_block_hash``.
 Why
@@ -103,14 +103,15 @@ def _notify(**kwargs) -> None:
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes import liveness, rollback
+    from vllm_kvguard.fixes.estimation import liveness
+    from vllm_kvguard.fixes.transaction import rollback
 
     _State.fix = rollback.Rollback(POOL_SEAMS, notify=_notify, on_disable=_recheck)
     plugins.register(_State.fix, "kvguard.rollback")
     plugins.register(liveness.Liveness(flags.liveness_steps if flags else 64),
                      "kvguard.liveness")
     if flags is not None and flags.audit:
-        from vllm_kvguard.fixes import audit
+        from vllm_kvguard.fixes.transaction import audit
 
         plugins.register(audit.Audit(), "kvguard.audit")
     _State.undo = [plugins.on_change(_recheck), hostcall.on_trip(lambda _name: _recheck())]

@@ -2,7 +2,7 @@
 
 Targets
     ``KVConnectorFactory.create_connector`` -> for a scheduler-role connector, hook
-        ``kvguard_guard_connector_call`` per method -> :mod:`vllm_kvguard.fixes.containment`
+        ``kvguard_guard_connector_call`` per method -> :mod:`vllm_kvguard.fixes.containment.containment`
     ``Scheduler._build_kv_connector_meta`` -> hook ``kvguard_connector_meta_built``
 Run-time changes
     ``KVConnectorBase_V1`` methods per scheduler-side connector (``get_num_new_matched_tokens``,
@@ -59,7 +59,7 @@ def build_kv_connector_meta(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes.containment import Containment
+    from vllm_kvguard.fixes.containment.containment import Containment
 
     plugins.register(Containment(), "kvguard.containment")
 

@@ -19,10 +19,10 @@ Targets (V2 ones are optional: skipped with a log line where absent)
     ``vllm.v1.worker.gpu_worker.Worker.sleep`` / ``.wake_up``
         -> ``kvguard_cudagraph_reinit``: suspend / resume (or release) the armed accounting
 Fixes
-    The hookimpls are :mod:`vllm_kvguard.fixes.cudagraph_hooks` (built by :func:`install_fixes`
+    The hookimpls are :mod:`vllm_kvguard.fixes.cudagraph.hooks` (built by :func:`install_fixes`
     with this patch's declarations and flags); they call the analysis in
-    :mod:`~vllm_kvguard.fixes.coverage` / :mod:`~vllm_kvguard.fixes.planner` and the runtime
-    accounting in :mod:`~vllm_kvguard.fixes.fallbacks` / :mod:`~vllm_kvguard.fixes.fallbacks_v2`.
+    :mod:`~vllm_kvguard.fixes.cudagraph.coverage` / :mod:`~vllm_kvguard.fixes.cudagraph.planner` and the runtime
+    accounting in :mod:`~vllm_kvguard.fixes.cudagraph.fallbacks` / :mod:`~vllm_kvguard.fixes.cudagraph.fallbacks_v2`.
 Run-time changes (``PATCH.changes``; the fixes install them only through these)
     :data:`DISPATCH` (V1 per-instance ``dispatch`` closure), :data:`DESCRIPTOR` (the V2
     miss-path descriptor stand-in), :data:`GATES` (V2 candidate-list gates),
@@ -207,8 +207,8 @@ FIX_NAMES = {"coverage": "kvguard.coverage", "fallbacks": "kvguard.fallbacks"}
 
 def build_fixes(flags: Flags | None = None) -> dict:
     """The cudagraph fix objects, built with this patch's declarations and ``flags``."""
-    from vllm_kvguard.fixes.cudagraph_hooks import CoverageHooks, FallbackHooks
-    from vllm_kvguard.fixes.fallbacks import Accounting
+    from vllm_kvguard.fixes.cudagraph.hooks import CoverageHooks, FallbackHooks
+    from vllm_kvguard.fixes.cudagraph.fallbacks import Accounting
 
     flags = flags or Flags()
     return {"coverage": CoverageHooks(CAPTURE_LOCK, CAPTURE_SIZES,

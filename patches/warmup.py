@@ -4,7 +4,7 @@ Targets (each declares its own range below; all optional except the scheduler's)
     ``vllm.v1.worker.gpu.warmup._warmup_kernels`` (0.32+) and ``.warmup_kernels`` (0.27.1,
     where the plan lives in ``warmup_kernels`` itself; also re-bound in
     ``vllm.v1.worker.gpu_worker``)
-        -> hook ``kvguard_warmup`` -> :mod:`vllm_kvguard.fixes.warmup_guard`
+        -> hook ``kvguard_warmup`` -> :mod:`vllm_kvguard.fixes.estimation.warmup_guard`
         The V2 warmup reserves what the allocator reserves (0.27.1 ignores lookahead and
         Mamba speculative blocks outside align mode: vllm#51438), never hands out a block
         id >= the pool's block count (all versions: the one-request floor), and a failing
@@ -13,22 +13,22 @@ Targets (each declares its own range below; all optional except the scheduler's)
         Remove when: vLLM's warmup checks ``next_block_id <= num_blocks`` and cleans up in
         ``try/finally`` (and 0.27.1 leaves the supported range).
     ``vllm.v1.worker.gpu.warmup._reserved_block_count`` (0.32+)
-        -> hook ``kvguard_reserved_blocks`` -> :mod:`vllm_kvguard.fixes.estimate`: vLLM's own
+        -> hook ``kvguard_reserved_blocks`` -> :mod:`vllm_kvguard.fixes.estimation.estimate`: vLLM's own
         warmup count follows the same model (used by ``run_mixed_prefill_decode_warmup``).
         Remove when: the warmup guard above is removed.
     ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_sampler_run`` (MRV1, all)
-        -> hook ``kvguard_dummy_sampler_run`` -> :mod:`vllm_kvguard.fixes.warmup_guard`:
+        -> hook ``kvguard_dummy_sampler_run`` -> :mod:`vllm_kvguard.fixes.estimation.warmup_guard`:
         the rejection sampler is profiled with k drafts per request, not 1 (vllm#37521).
         Remove when: vLLM profiles ``num_speculative_tokens`` drafts (vllm#37521 merged).
     ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (all)
-        -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.capacity`: one
+        -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.estimation.capacity`: one
         spec-aware table per KV-cache group (blocks per request with and without
         speculation, true maximum concurrency beside vLLM's figure, Mamba FULL-decode
         feasibility). Upstream: none filed (vLLM's own check and its "Maximum concurrency"
         line ignore speculative blocks and the null block).
         Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
         count speculative blocks, the null block and attention groups.
-        The same hook -> :mod:`vllm_kvguard.fixes.admission`: the largest admissible
+        The same hook -> :mod:`vllm_kvguard.fixes.estimation.admission`: the largest admissible
         request, stated and published for the door (:mod:`vllm_kvguard.patches.admission`)
         and the liveness guard.
 Why
@@ -106,7 +106,7 @@ def scheduler_init(call: HostCall):
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes import admission, capacity, estimate, warmup_guard
+    from vllm_kvguard.fixes.estimation import admission, capacity, estimate, warmup_guard
     from vllm_kvguard.manager import register
 
     register(estimate, "kvguard.estimate")
@@ -116,7 +116,7 @@ def _setup(flags):
 
 
 def _teardown():
-    from vllm_kvguard.fixes import admission
+    from vllm_kvguard.fixes.estimation import admission
     from vllm_kvguard.manager import unregister
 
     for name in ("kvguard.estimate", "kvguard.warmup_guard", "kvguard.capacity",

@@ -58,7 +58,7 @@ def kvguard_guard_connector_call(connector, method, fn):
     """The scheduler-side KV connector ``connector`` was built: return a callable to use
     instead of its bound method named ``method`` (``fn``), or None to leave it. Ours runs
     ``fn`` and contains an ``Exception`` to the request it was called for
-    (:mod:`vllm_kvguard.fixes.containment`)."""
+    (:mod:`vllm_kvguard.fixes.containment.containment`)."""
 
 
 @hookspec
@@ -80,7 +80,7 @@ def kvguard_admit(request):
     """The front end's input processing built ``request`` (an ``EngineCoreRequest``) and
     is about to send it to EngineCore: raise a ``ValueError`` to refuse it (vLLM's own
     input-validation path: ``LLM.generate`` raises, ``vllm serve`` answers HTTP 400).
-    Ours: the admission certificate (:mod:`vllm_kvguard.fixes.admission`)."""
+    Ours: the admission certificate (:mod:`vllm_kvguard.fixes.estimation.admission`)."""
 
 
 # --------------------------------------------------------------------------- distributed
@@ -97,7 +97,7 @@ def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_le
                             num_encoder_tokens, dcp, num_computed_tokens):
     """Blocks the allocator reserves for one request in the KV group of ``spec``.
 
-    Return a :class:`vllm_kvguard.fixes.estimate.Reserved` ``(table, physical)``: block-table
+    Return a :class:`vllm_kvguard.fixes.estimation.estimate.Reserved` ``(table, physical)``: block-table
     entries (nulls included) and distinct pool blocks held, after ``allocate_slots`` for a
     request whose high-water mark is ``num_tokens`` (``num_computed_tokens`` processed
     before the step), or None for a spec you don't model. Ours is ``trylast``, so a
@@ -134,20 +134,20 @@ def kvguard_startup_report(vllm_config, kv_cache_config):
 # ``gpu_model_runner.GPUModelRunner`` and its CPU subclass, V2 ``gpu.model_runner``). The
 # runtime dispatch path calls no hook unless a batch the configuration meant to graph
 # falls back (``kvguard_cudagraph_fallback``). The project's impls are the objects in
-# :mod:`vllm_kvguard.fixes.cudagraph_hooks`, built and registered by the cudagraph patch.
+# :mod:`vllm_kvguard.fixes.cudagraph.hooks`, built and registered by the cudagraph patch.
 @hookspec
 def kvguard_cudagraph_before_kv_init(runner, kv_cache_config, is_profiling):
     """``runner.initialize_kv_cache(kv_cache_config)`` is about to run: the capture
     sizes can still change (attention builders and graph keys are built inside it).
     Ours: capture completion when ``KVGUARD_CUDAGRAPH_COMPLETE`` is on and this is not a
-    profiling pass (:func:`vllm_kvguard.fixes.planner.complete`)."""
+    profiling pass (:func:`vllm_kvguard.fixes.cudagraph.planner.complete`)."""
 
 
 @hookspec
 def kvguard_cudagraph_after_kv_init(runner, kv_cache_config, is_profiling):
     """``runner.initialize_kv_cache`` returned: the graph keys exist (not captured yet).
     Ours: the worker's padding-id check, and outside profiling one coverage table
-    (:func:`vllm_kvguard.fixes.coverage.audit`), logged on the first rank."""
+    (:func:`vllm_kvguard.fixes.cudagraph.coverage.audit`), logged on the first rank."""
 
 
 @hookspec
@@ -181,6 +181,6 @@ def kvguard_block_pool_ready(pool):
 def kvguard_cudagraph_fallback(owner, reason, mode, num_tokens, detail):
     """A batch the configuration meant to graph ran ``mode`` (``"NONE"``, eager, or
     ``"PIECEWISE"``) on ``owner`` (a V1 ``CudagraphDispatcher`` / V2 ``CudaGraphManager``),
-    for ``reason`` (one of :data:`vllm_kvguard.fixes.fallbacks.REASONS`); ``num_tokens`` is
+    for ``reason`` (one of :data:`vllm_kvguard.fixes.cudagraph.fallbacks.REASONS`); ``num_tokens`` is
     the batch's token count and ``detail`` a short text. Called on the fallback path only
     (never for a graphed batch). Ours counts it and warns once per reason."""

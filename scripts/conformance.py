@@ -649,7 +649,7 @@ def pytest_configure(config):
 
     vllm.plugins.load_general_plugins()
     from vllm_kvguard import activation
-    from vllm_kvguard.fixes import audit, rollback
+    from vllm_kvguard.fixes.transaction import audit, rollback
 
     _STATE["activation"] = activation.results()
     original = rollback.Rollback.transaction

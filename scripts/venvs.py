@@ -53,8 +53,9 @@ GPU_ONLY = ("torch", "torchaudio", "torchvision", "torchcodec", "triton*", "nvid
             "nvtx", "fastsafetensors", "instanttensor", "quack-kernels", "tokenspeed-*",
             "humming-kernels*", "deep-gemm*", "deep-ep*")
 #: Modules that must import in every venv (the pure-Python surfaces the patches target).
+#: (Model Runner V1's ``vllm.v1.cudagraph_dispatcher`` is not here: 0.34.0 removed it.)
 CHECK_IMPORTS = ("vllm.config", "vllm.v1.core.kv_cache_manager", "vllm.v1.core.sched.scheduler",
-                 "vllm.v1.cudagraph_dispatcher", "vllm.v1.worker.gpu.cudagraph_utils",
+                 "vllm.v1.worker.gpu.cudagraph_utils",
                  "vllm.v1.worker.gpu.warmup")
 MARKER = ".kvguard-ready"
 REPO_MARKER = ".kvguard-repo"

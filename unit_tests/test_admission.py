@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes import admission  # noqa: E402
+from vllm_kvguard.fixes.estimation import admission  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import make_scheduler, make_vllm_config  # noqa: E402
 
 

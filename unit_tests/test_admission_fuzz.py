@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from vllm_kvguard import activation  # noqa: E402
-from vllm_kvguard.fixes.admission import Certificate  # noqa: E402
+from vllm_kvguard.fixes.estimation.admission import Certificate  # noqa: E402
 from vllm_kvguard.testing.estimate_fixtures import (allocate, make_manager,  # noqa: E402
                                                     make_request, spec_chunked, spec_class,
                                                     spec_full, spec_mamba, spec_swa)

@@ -16,7 +16,7 @@ from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_reque
                          prefill, scheduler_step)
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes.audit import audit_manager, audit_scheduler  # noqa: E402
+from vllm_kvguard.fixes.transaction.audit import audit_manager, audit_scheduler  # noqa: E402
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vllm_kvguard.fixes import capacity  # noqa: E402
+from vllm_kvguard.fixes.estimation import capacity  # noqa: E402
 from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager,  # noqa: E402
                                                     make_request, spec_chunked, spec_class,
                                                     spec_full, spec_mamba, spec_swa)
@@ -201,7 +201,7 @@ def test_our_estimate_registered_is_called_directly(monkeypatch):
     """With only our own kvguard_reserved_blocks registered (activation), the loops call
     reserved_blocks itself, not the pluggy hook."""
     from vllm_kvguard import manager
-    from vllm_kvguard.fixes import estimate
+    from vllm_kvguard.fixes.estimation import estimate
 
     capacity.clear_cache()
     manager.register(estimate, "kvguard.estimate")
@@ -219,7 +219,7 @@ def test_our_estimate_registered_is_called_directly(monkeypatch):
 
 def test_a_third_party_estimate_answers_and_is_not_cached():
     from vllm_kvguard import manager
-    from vllm_kvguard.fixes.estimate import Reserved
+    from vllm_kvguard.fixes.estimation.estimate import Reserved
     from vllm_kvguard.hookspecs import hookimpl
 
     class Mine:

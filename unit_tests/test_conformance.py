@@ -77,7 +77,7 @@ SELECTED = [
 ]
 BROKEN = '''
 """A deliberately broken patch: every allocate_slots through the transaction says None."""
-from vllm_kvguard.fixes import rollback
+from vllm_kvguard.fixes.transaction import rollback
 
 
 def _transaction(self, manager, fn):

@@ -15,7 +15,7 @@ import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: E402,F401
 import vllm.v1.core.sched.scheduler  # noqa: E402,F401
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes import audit  # noqa: E402
+from vllm_kvguard.fixes.transaction import audit  # noqa: E402
 from vllm_kvguard.testing.connector_fixtures import (DeferringConnector,  # noqa: E402
                                                      make_connector_scheduler)
 from vllm_kvguard.testing.kv_fixtures import make_request, scheduler_step, used_blocks  # noqa: E402

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes import graph_owners  # noqa: E402
-from vllm_kvguard.fixes.fallbacks import CATEGORY  # noqa: E402
+from vllm_kvguard.fixes.cudagraph import graph_owners  # noqa: E402
+from vllm_kvguard.fixes.cudagraph.fallbacks import CATEGORY  # noqa: E402
 from vllm_kvguard.patches import BY_NAME, cudagraph, distributed  # noqa: E402
 from vllm_kvguard.tools import plan as planning  # noqa: E402
 from vllm_kvguard.versions import vllm_version  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_kvguard.fixes import coverage, graph_owners, planner  # noqa: E402
+from vllm_kvguard.fixes.cudagraph import coverage, graph_owners, planner  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.flags import read_flags  # noqa: E402
 from vllm_kvguard.tools import plan as planning  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard import report  # noqa: E402
-from vllm_kvguard.fixes import fallbacks, graph_owners  # noqa: E402
+from vllm_kvguard.fixes.cudagraph import fallbacks, graph_owners  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.tools import plan as planning  # noqa: E402
 

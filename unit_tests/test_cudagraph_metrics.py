@@ -10,7 +10,7 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from vllm_kvguard import metrics, remote, report  # noqa: E402
-from vllm_kvguard.fixes import fallbacks  # noqa: E402
+from vllm_kvguard.fixes.cudagraph import fallbacks  # noqa: E402
 from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402
 
 

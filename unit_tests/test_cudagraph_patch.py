@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_kvguard import activation  # noqa: E402
-from vllm_kvguard.fixes import coverage  # noqa: E402
+from vllm_kvguard.fixes.cudagraph import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph, distributed  # noqa: E402
 from vllm_kvguard.tools.plan import plan_config, plan_owner  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved_blocks  # noqa: E402
+from vllm_kvguard.fixes.estimation.estimate import lookahead_tokens, reserved_blocks  # noqa: E402
 from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager,  # noqa: E402
                                                     make_request, spec_chunked, spec_class,
                                                     spec_cross, spec_full, spec_mamba,

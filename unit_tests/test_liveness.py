@@ -104,7 +104,7 @@ def test_the_certificate_is_the_exact_boundary(max_tokens, fits):
     """200 prompt tokens on a 256-token pool: 57 output tokens need 256 tokens of KV (the
     last sampled token is never computed) and complete; 58 need 257, never fit, and vLLM
     alone preempts the request and can never readmit it."""
-    from vllm_kvguard.fixes import admission
+    from vllm_kvguard.fixes.estimation import admission
 
     results = {}
     for on in (False, True):

@@ -31,7 +31,7 @@ def test_startup_without_speculation_logs_no_warning(num_gpu_blocks, kvguard_log
 
     assert activation.activate(ON)["warmup"].startswith("applied")
     make_scheduler(num_gpu_blocks=num_gpu_blocks, max_model_len=512, max_num_seqs=8)
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.estimation import capacity
 
     cap = capacity.last_report()
     assert cap is not None and cap.num_spec_tokens == 0 and cap.warnings == []
@@ -44,7 +44,7 @@ def _cap(num_blocks: int, *, max_num_seqs: int = 8, k: int = 0):
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.estimation import capacity
     from vllm_kvguard.testing.estimate_fixtures import spec_full, spec_mamba
     from vllm_kvguard.testing.kv_fixtures import kv_cache_config
 
@@ -72,7 +72,7 @@ def test_warns_when_fewer_than_max_num_seqs_fit():
 
 @pytest.mark.parametrize("overstated,warns", [(0.5, False), (1.5, True)])
 def test_warns_when_vllm_overstates_by_more_than_rounding(overstated, warns, monkeypatch):
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.estimation import capacity
 
     true = 4000 / 32                             # 4001 blocks: 125 requests, 125.03x by vLLM
     monkeypatch.setattr(capacity, "_vllm_concurrency", lambda *a: true + overstated)

@@ -35,7 +35,7 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     pytest.importorskip("vllm")
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    from vllm_kvguard.fixes import capacity
+    from vllm_kvguard.fixes.estimation import capacity
     from vllm_kvguard.testing.kv_fixtures import kv_cache_config
     from vllm_kvguard.tools.plan import plan_config
     from vllm_kvguard.tools.tiny_models import write_model

@@ -19,7 +19,7 @@ from vllm_kvguard.testing.kv_fixtures import (attention_spec, free_ids, groups, 
                          state_diff, used_blocks)
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes import rollback  # noqa: E402
+from vllm_kvguard.fixes.transaction import rollback  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
 from vllm_kvguard.manager import register, unregister  # noqa: E402
@@ -231,7 +231,7 @@ def test_a_failed_undo_is_no_room_with_no_stray_block(mocker, kvguard_log):
 def test_a_request_whose_undo_fails_is_ended_alone(mocker):
     """On a real Scheduler: the request whose allocation cannot be undone finishes with an
     error after that step, the others are served to their length, nothing leaks."""
-    from vllm_kvguard.fixes import audit
+    from vllm_kvguard.fixes.transaction import audit
     from vllm_kvguard.testing.kv_fixtures import make_scheduler, scheduler_step
 
     activate()
@@ -365,7 +365,7 @@ def test_the_transaction_takes_and_passes_on_vllm_s_own_parameters():
 def test_reordered_parameters_are_passed_on_by_their_own_order():
     """A vLLM whose allocate_slots orders its parameters differently gets a transaction
     with that order, and a half-done allocation through it is still rolled back."""
-    from vllm_kvguard.fixes.plan import unsupported_reason
+    from vllm_kvguard.fixes.transaction.plan import unsupported_reason
 
     activate()
     m = hybrid_manager(32)
@@ -400,7 +400,7 @@ def test_a_parameter_named_like_the_transaction_s_own_names_is_refused():
 
 
 def test_an_allocate_slots_without_a_request_parameter_is_left_alone():
-    from vllm_kvguard.fixes.plan import unsupported_reason
+    from vllm_kvguard.fixes.transaction.plan import unsupported_reason
 
     m = hybrid_manager(32)
     base = type(m)

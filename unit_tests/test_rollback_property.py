@@ -32,7 +32,7 @@ from vllm_kvguard.testing.kv_fixtures import (groups, hybrid_manager, make_reque
                          state, state_diff)
 
 from vllm_kvguard import activation, hostcall, log, report  # noqa: E402
-from vllm_kvguard.fixes.audit import audit_manager  # noqa: E402
+from vllm_kvguard.fixes.transaction.audit import audit_manager  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
 from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
 from vllm_kvguard.patches import faults as fault_patch  # noqa: E402

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 W = pytest.importorskip("vllm.v1.worker.gpu.warmup")
 
 from vllm_kvguard import activation, report  # noqa: E402
-from vllm_kvguard.fixes.estimate import reserved_blocks  # noqa: E402
+from vllm_kvguard.fixes.estimation.estimate import reserved_blocks  # noqa: E402
 from vllm_kvguard.testing.estimate_fixtures import spec_full, spec_mamba  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import kv_cache_config as make_kv_cache_config  # noqa: E402
 from vllm_kvguard.tools.truth_table import record_defect  # noqa: E402

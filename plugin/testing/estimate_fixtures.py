@@ -12,7 +12,7 @@ import math
 import pytest
 from vllm.v1 import kv_cache_interface as kci
 
-from vllm_kvguard.fixes.estimate import Reserved
+from vllm_kvguard.fixes.estimation.estimate import Reserved
 from vllm_kvguard.testing.kv_fixtures import accepted, attention_spec, kv_cache_config, mamba_spec
 from vllm_kvguard.testing.kv_fixtures import make_request as _make_request
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
-from vllm_kvguard.fixes.coverage import format_table
-from vllm_kvguard.fixes.estimate import num_spec
-from vllm_kvguard.fixes.graph_owners import GraphOwner, modes, v1_probe, v2_probe
-from vllm_kvguard.fixes.planner import audit, complete, short
+from vllm_kvguard.fixes.cudagraph.coverage import format_table
+from vllm_kvguard.fixes.estimation.estimate import num_spec
+from vllm_kvguard.fixes.cudagraph.graph_owners import GraphOwner, modes, v1_probe, v2_probe
+from vllm_kvguard.fixes.cudagraph.planner import audit, complete, short
 
 _TINY: dict[str, str] = {}        # one tiny model config per process
 
@@ -132,7 +132,7 @@ def plan_v1_runner(vllm_config, dp_size: int = 1):
 
 
 class PlanRunner:
-    """Just enough of a model runner for :func:`~vllm_kvguard.fixes.planner.complete`."""
+    """Just enough of a model runner for :func:`~vllm_kvguard.fixes.cudagraph.planner.complete`."""
 
     def __init__(self, vllm_config, runner: str):
         self.vllm_config = vllm_config

@@ -6,12 +6,12 @@
                                "prompt_lookup_max": 3}' --num-gpu-blocks 20000
 
 * per KV-cache group: the spec-aware blocks one request holds at ``max_model_len`` and the
-  true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.capacity` on a
+  true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.estimation.capacity` on a
   ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``);
-* the largest admissible request (:mod:`vllm_kvguard.fixes.admission`), and a problem
+* the largest admissible request (:mod:`vllm_kvguard.fixes.estimation.admission`), and a problem
   when a ``max_model_len`` request can never fit;
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
-  covers it (:mod:`vllm_kvguard.fixes.coverage`, sized as on a CUDA GPU by
+  covers it (:mod:`vllm_kvguard.fixes.cudagraph.coverage`, sized as on a CUDA GPU by
   :func:`vllm_kvguard.tools.plan.plan_config`);
 * warmup feasibility: the V2 warmup shapes the pool would leave unwarmed
   (:mod:`vllm_kvguard.tools.warmup_check`);
@@ -171,9 +171,9 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          cudagraph_mode: str = "FULL_AND_PIECEWISE",
          enable_prefix_caching: bool | None = None,
          attention_backend: str = "FLASH_ATTN") -> dict:
-    from vllm_kvguard.fixes import admission, capacity
-    from vllm_kvguard.fixes.coverage import format_table
-    from vllm_kvguard.fixes.planner import audit
+    from vllm_kvguard.fixes.estimation import admission, capacity
+    from vllm_kvguard.fixes.cudagraph.coverage import format_table
+    from vllm_kvguard.fixes.cudagraph.planner import audit
     from vllm_kvguard.tools import warmup_check
     from vllm_kvguard.tools.plan import plan_config, plan_owner
 

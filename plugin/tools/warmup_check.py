@@ -3,7 +3,7 @@
 vLLM's own warmup function (``_warmup_kernels``; ``warmup_kernels`` on 0.27.1) is run over
 the planner's ``VllmConfig`` and ``KVCacheConfig`` against a recording executor: no model,
 no device. Once as vLLM plans it (the dummy requests and the highest block id it hands
-out), once as the warmup guard plans it (:func:`vllm_kvguard.fixes.warmup_guard.choose_cap`:
+out), once as the warmup guard plans it (:func:`vllm_kvguard.fixes.estimation.warmup_guard.choose_cap`:
 all requests, capped, or skipped), and once over an unbounded pool for the size that
 warms every shape. The V1 runner's dummy runs hold no KV blocks, so nothing is skipped.
 """
@@ -23,7 +23,7 @@ def _warmup_fn():
 
 def plan_runner(vllm_config, kv_cache_config):
     """What the warmup reads from a V2 model runner, from the configs alone."""
-    from vllm_kvguard.fixes.estimate import num_spec
+    from vllm_kvguard.fixes.estimation.estimate import num_spec
 
     k = num_spec(vllm_config)
     return SimpleNamespace(
@@ -66,7 +66,7 @@ def feasibility(vllm_config, kv_cache_config, runner: str = "v2") -> dict:
     kvguard_requests, skipped_shapes, blocks_for_all}`` (V2), or ``{runner}`` (V1)."""
     if runner != "v2":
         return {"runner": runner}
-    from vllm_kvguard.fixes.warmup_guard import WarmupPlan, choose_cap
+    from vllm_kvguard.fixes.estimation.warmup_guard import WarmupPlan, choose_cap
 
     stand_in = plan_runner(vllm_config, kv_cache_config)
     with mock.patch("torch.accelerator.synchronize", create=True):

@@ -139,7 +139,7 @@ def _pool_state(llm) -> dict:
     state = {"pool_blocks": pool.num_gpu_blocks,
              "held_blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
     try:
-        from vllm_kvguard.fixes import audit
+        from vllm_kvguard.fixes.transaction import audit
 
         violations = audit.audit_kv_cache_manager(sched.kv_cache_manager, sched)
         state["audit_violations"] = [str(v) for v in violations]
@@ -347,7 +347,7 @@ def _finish(out: dict) -> dict:
     except Exception:
         pass
     with contextlib.suppress(Exception):    # the CUDA-graph audit, where the runner ran here
-        from vllm_kvguard.fixes import coverage
+        from vllm_kvguard.fixes.cudagraph import coverage
 
         cov = coverage.last_audit()
         if cov is not None:

@@ -4,7 +4,7 @@ A request has to hold, at the step that computes its last known token, the block
 KV-cache group for that many tokens (plus the scheduler's lookahead) at once, on one shared
 pool of ``num_blocks - 1`` usable blocks (block 0 is the null block). The smallest such
 holding, per group, is the reserved-block model's figure for that step with everything
-before it already computed (:func:`vllm_kvguard.fixes.estimate.reserved_blocks`: sliding
+before it already computed (:func:`vllm_kvguard.fixes.estimation.estimate.reserved_blocks`: sliding
 windows and chunked-local attention drop what they no longer need, Mamba holds its state
 and speculative blocks). When the sum exceeds the pool, no schedule and no amount of
 waiting makes the request fit: that is the proof the liveness guard acts on, and the only
@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from vllm_kvguard import metrics, report
-from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens,
+from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups, lookahead_tokens,
                                          manager_block_size, num_spec, reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome

@@ -10,7 +10,7 @@ can occur (the configured one, each dynamic-speculation tier, zero drafts for pr
 that can miss, each LoRA capture case) it dispatches every reachable request count
 (bounded by ``max_num_seqs``, the token budget and the decoding sequences the KV cache
 holds) through the owner's own ``dispatch``, and summarises coverage, the first uncovered
-shape and a verified setting that covers it (:mod:`vllm_kvguard.fixes.planner`).
+shape and a verified setting that covers it (:mod:`vllm_kvguard.fixes.cudagraph.planner`).
 :func:`format_table` is the startup table. The padding-target checks make sure padded rows
 point at the scheduler's reserved null block.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimate import num_spec
-from vllm_kvguard.fixes.graph_owners import GraphOwner, modes
+from vllm_kvguard.fixes.estimation.estimate import num_spec
+from vllm_kvguard.fixes.cudagraph.graph_owners import GraphOwner, modes
 from vllm_kvguard.log import logger
 
 #: Proposers that may propose nothing for a request (a miss), so a decode step can carry
@@ -192,7 +192,7 @@ def cover(owner: GraphOwner, families: list[Family]) -> list[FamilyCoverage]:
 
 def audit(owner: GraphOwner, kv_decodes: int | None = None) -> Coverage:
     """The coverage of every reachable uniform decode on ``owner`` (keys already built);
-    :func:`vllm_kvguard.fixes.planner.audit` adds the setting that covers each gap."""
+    :func:`vllm_kvguard.fixes.cudagraph.planner.audit` adds the setting that covers each gap."""
     vc = owner.vllm_config
     cc = vc.compilation_config
     families = decode_families(vc, owner, kv_decodes) if owner.mode != modes().NONE else []
@@ -208,7 +208,7 @@ def kv_decodes_of(vllm_config, kv_cache_config) -> int | None:
     if kv_cache_config is None:
         return None
     try:
-        from vllm_kvguard.fixes import capacity
+        from vllm_kvguard.fixes.estimation import capacity
 
         return int(capacity.compute(vllm_config, kv_cache_config).decodes_that_fit)
     except Exception as exc:      # an unknown spec type: do not bound by KV

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from vllm_kvguard.fixes import coverage, planner
-from vllm_kvguard.fixes.fallbacks import CATEGORY, FIXES, Accounting
-from vllm_kvguard.fixes.graph_owners import is_v2_runner, owner_of
+from vllm_kvguard.fixes.cudagraph import coverage, planner
+from vllm_kvguard.fixes.cudagraph.fallbacks import CATEGORY, FIXES, Accounting
+from vllm_kvguard.fixes.cudagraph.graph_owners import is_v2_runner, owner_of
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 
@@ -119,7 +119,7 @@ class CoverageHooks:
 
 
 class FallbackHooks:
-    """Runtime fallback accounting (:class:`~vllm_kvguard.fixes.fallbacks.Accounting`)."""
+    """Runtime fallback accounting (:class:`~vllm_kvguard.fixes.cudagraph.fallbacks.Accounting`)."""
 
     def __init__(self, accounting: Accounting):
         self.accounting = accounting

@@ -4,7 +4,7 @@ vLLM admits a waiting request only when its blocks fit, so a request that can ne
 heads the waiting queue forever and the requests behind it starve (vllm#35541, #39734,
 #53130). After every ``Scheduler.schedule()`` this guard looks at the head of the waiting
 queue and acts on proof only: when the admission certificate
-(:mod:`vllm_kvguard.fixes.admission`) shows that the head's sequence can never be held
+(:mod:`vllm_kvguard.fixes.estimation.admission`) shows that the head's sequence can never be held
 by this pool, it finishes that request with ``FINISHED_ERROR`` through the scheduler's own
 error path (the client gets ``finish_reason="error"``, and on vLLM 0.33+ the message) and
 logs its numbers. That covers a request too long from the start and one admitted whose
@@ -23,7 +23,7 @@ import logging
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes import admission
+from vllm_kvguard.fixes.estimation import admission
 from vllm_kvguard.fixes.request_errors import fail_request
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vllm_kvguard.fixes.journal import HASHED, TOUCH
+from vllm_kvguard.fixes.transaction.journal import HASHED, TOUCH
 
 
 class RollbackFailed(Exception):

@@ -15,10 +15,10 @@ import copy
 import inspect
 from dataclasses import dataclass
 
-from vllm_kvguard.fixes import coverage
-from vllm_kvguard.fixes.coverage import Coverage, FamilyCoverage, kv_decodes_of
-from vllm_kvguard.fixes.estimate import num_spec
-from vllm_kvguard.fixes.graph_owners import GraphOwner, is_v2_runner, modes, v1_probe, v2_probe
+from vllm_kvguard.fixes.cudagraph import coverage
+from vllm_kvguard.fixes.cudagraph.coverage import Coverage, FamilyCoverage, kv_decodes_of
+from vllm_kvguard.fixes.estimation.estimate import num_spec
+from vllm_kvguard.fixes.cudagraph.graph_owners import GraphOwner, is_v2_runner, modes, v1_probe, v2_probe
 from vllm_kvguard.log import logger
 
 

@@ -13,14 +13,14 @@ cost. A graphed batch returns a stored descriptor untouched. Two places see the 
 Data parallel: ``dp_utils.sync_cudagraph_and_dp_padding`` (called only when
 ``dp_size > 1``) compares this rank's wish with the agreed mode (:func:`after_dp_sync`).
 Every change goes through the declarations the accounting
-(:class:`vllm_kvguard.fixes.fallbacks.Accounting`) holds.
+(:class:`vllm_kvguard.fixes.cudagraph.fallbacks.Accounting`) holds.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 
-from vllm_kvguard.fixes.graph_owners import (frame_locals, is_quiet, modes, quiet,
+from vllm_kvguard.fixes.cudagraph.graph_owners import (frame_locals, is_quiet, modes, quiet,
                                              uniform_reason, v2_dispatch_code)
 from vllm_kvguard.log import once
 

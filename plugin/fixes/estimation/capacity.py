@@ -5,7 +5,7 @@ block included) over per-request blocks from each spec's ``max_memory_usage_byte
 its Mamba FULL-decode check (``max_num_seqs > num_blocks``) ignores the 1+nsb / 2+nsb
 blocks a speculative Mamba sequence holds, the null block and the attention groups.
 This report recomputes, from the reserved-block model
-(:func:`vllm_kvguard.fixes.estimate.reserved_blocks`), per KV-cache group:
+(:func:`vllm_kvguard.fixes.estimation.estimate.reserved_blocks`), per KV-cache group:
 
 * blocks one request holds at its peak on the way to ``max_model_len``, without and with
   speculative decoding (lookahead, draft tokens per step, Mamba speculative blocks);
@@ -18,7 +18,7 @@ This report recomputes, from the reserved-block model
 Cost: the per-group figures (about 170 reserved-block evaluations per group) are computed
 once per KV configuration (the specs and the scalar settings they depend on) and reused by
 every later ``Scheduler`` built with it; the loops call
-:func:`~vllm_kvguard.fixes.estimate.reserved_blocks` directly unless a third-party
+:func:`~vllm_kvguard.fixes.estimation.estimate.reserved_blocks` directly unless a third-party
 ``kvguard_reserved_blocks`` implementation is registered (then the hook answers, uncached).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes import estimate as _estimate
-from vllm_kvguard.fixes.estimate import (dcp_size, device_groups, lookahead_tokens,
+from vllm_kvguard.fixes.estimation import estimate as _estimate
+from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups, lookahead_tokens,
                                          manager_block_size, num_spec, reserved,
                                          reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl

@@ -26,10 +26,10 @@ import types
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes.journal import PoolJournal, popped
-from vllm_kvguard.fixes.plan import Plan, unsupported_reason
+from vllm_kvguard.fixes.transaction.journal import PoolJournal, popped
+from vllm_kvguard.fixes.transaction.plan import Plan, unsupported_reason
 from vllm_kvguard.fixes.request_errors import end_request
-from vllm_kvguard.fixes.undo import (RollbackFailed, failing_group, orphans, raised_by_itself,
+from vllm_kvguard.fixes.transaction.undo import (RollbackFailed, failing_group, orphans, raised_by_itself,
                                      rollback)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once

@@ -14,8 +14,8 @@ import logging
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes import fallbacks_v2
-from vllm_kvguard.fixes.graph_owners import (V1_SIGNATURE, V2_HEAD, V2_TAILS, dispatch_params,
+from vllm_kvguard.fixes.cudagraph import fallbacks_v2
+from vllm_kvguard.fixes.cudagraph.graph_owners import (V1_SIGNATURE, V2_HEAD, V2_TAILS, dispatch_params,
                                              frame_locals, modes, owner_of, uniform_reason,
                                              v1_caller_code)
 from vllm_kvguard.log import once

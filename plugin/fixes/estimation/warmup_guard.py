@@ -4,7 +4,7 @@ vLLM's V2 warmup hand-builds ``SchedulerOutput``s with dummy requests and block 
 picks itself. It under-counts speculative blocks on 0.27.1 (vllm#51438), can hand out a
 block id beyond the pool on a tight pool (every version: its one-request floor), and a
 failing step aborts startup with the dummy requests still held. This fix sizes the
-warmup with :func:`~vllm_kvguard.fixes.estimate.reserved_blocks`, rewrites every dummy
+warmup with :func:`~vllm_kvguard.fixes.estimation.estimate.reserved_blocks`, rewrites every dummy
 request's block ids within the pool, and on a failed step finishes the dummy requests,
 restores the connector and block 0, and lets startup continue with one warning.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimate import lookahead_tokens, reserved
+from vllm_kvguard.fixes.estimation.estimate import lookahead_tokens, reserved
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 from vllm_kvguard.report import count

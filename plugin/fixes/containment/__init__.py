@@ -1,0 +1,1 @@
+"""Connector containment: a KV connector call that fails ends only its request."""
