@@ -48,7 +48,7 @@ PATCH = Patch(
     summary="refusal at the door: a request that can never fit is a ValueError (HTTP 400)",
     targets=[Target("vllm.v1.engine.input_processor", "InputProcessor.process_inputs",
                     process_inputs)],
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#39734", "vllm#53130", "vllm#45414", "vllm#53868", "vllm#52530"),
     remove_when="vLLM refuses never-fitting requests at input validation (HTTP 400)",
     setup=_setup,

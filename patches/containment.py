@@ -6,11 +6,13 @@ Targets
     ``Scheduler._build_kv_connector_meta`` -> hook ``kvguard_connector_meta_built``
 Run-time changes
     ``KVConnectorBase_V1`` methods per scheduler-side connector (``get_num_new_matched_tokens``,
-    ``update_state_after_alloc``, ``request_finished``, ``request_finished_all_groups``):
-    the guarded call, an instance attribute over whatever the connector has.
+    ``update_state_after_alloc``, ``request_finished``, ``request_finished_all_groups``,
+    and on 0.34+ ``may_load_async``, asked as a request enters the waiting queues with
+    ``--max-num-inflight-kv-loads``): the guarded call, an instance attribute over
+    whatever the connector has.
 Why
-    A connector's exception for one request escapes ``Scheduler.schedule`` and kills
-    EngineCore with every request on it.
+    A connector's exception for one request escapes ``Scheduler.schedule`` (or
+    ``add_request``) and kills EngineCore with every request on it.
 Upstream
     vllm#43884, vllm#50454, vllm#51013, vllm#54914, vllm#46283.
 Remove when
@@ -21,13 +23,16 @@ from __future__ import annotations
 from vllm_kvguard import manager as plugins
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.registry import InstanceAttr, Patch, Target
+from vllm_kvguard.versions import vllm_version
 
 NAME = "containment"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished",
-           "request_finished_all_groups")
+           "request_finished_all_groups", "may_load_async")
+SINCE = {"may_load_async": ">=0.34"}       # the releases that have the method
 GUARDS = {m: InstanceAttr(BASE, "KVConnectorBase_V1", m, "the call, contained to its request",
-                          required=m != "request_finished_all_groups", overwrite=True)
+                          required=m != "request_finished_all_groups", overwrite=True,
+                          versions=SINCE.get(m, ""))
           for m in METHODS}
 
 
@@ -39,9 +44,10 @@ def _is_scheduler_role(role) -> bool:
 def create_connector(call: HostCall):
     connector = call()
     if _is_scheduler_role(call.arg(1, "role")):
+        version = vllm_version()
         for method, change in GUARDS.items():
             fn = getattr(connector, method, None)
-            if fn is None:
+            if fn is None or not change.exists_in(version):
                 continue
             guarded = plugins.hook().kvguard_guard_connector_call(
                 connector=connector, method=method, fn=fn)
@@ -78,7 +84,7 @@ PATCH = Patch(
                build_kv_connector_meta),
     ],
     changes=tuple(GUARDS.values()),
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#43884", "vllm#50454", "vllm#51013", "vllm#54914", "vllm#46283"),
     remove_when="vLLM's scheduler contains a KV connector's per-request failure to "
                 "that request",

@@ -103,7 +103,7 @@ PATCH = Patch(
           Private(CORE, "EngineCore", ("model_executor",)),
           Private(ASYNC, "AsyncLLM", ("collective_rpc", "errored")),
           Private(SYNC, "LLMEngine", ("collective_rpc",))),
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=(),
     remove_when="vLLM copies plugin-declared environment variables to Ray workers",
     setup=_setup,

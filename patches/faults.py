@@ -102,7 +102,7 @@ PATCH = Patch(
              Target("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",
                     update_from_output)],
     changes=tuple(SHADOWS.values()),
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=(),
     remove_when="never: rehearsal tooling, off unless KVGUARD_FAULTS is set",
     setup=_setup,

@@ -14,11 +14,16 @@ Targets (each declares its own range below; all optional except the scheduler's)
         ``try/finally`` (and 0.27.1 leaves the supported range).
     ``vllm.v1.worker.gpu.warmup._reserved_block_count`` (0.32+)
         -> hook ``kvguard_reserved_blocks`` -> :mod:`vllm_kvguard.fixes.estimation.estimate`: vLLM's own
-        warmup count follows the same model (used by ``run_mixed_prefill_decode_warmup``).
+        warmup count follows the same model (used by ``run_mixed_prefill_decode_warmup``),
+        in each pin's arguments (0.34: DCP and the per-request row cap). On 0.34 the guard
+        bounds block ids by ``num_committable_kv_blocks`` (the extensible KV cache).
         Remove when: the warmup guard above is removed.
-    ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_sampler_run`` (MRV1, all)
+    ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_sampler_run`` (MRV1, <0.34:
+    Model Runner V1 is gone from 0.34)
         -> hook ``kvguard_dummy_sampler_run`` -> :mod:`vllm_kvguard.fixes.estimation.warmup_guard`:
         the rejection sampler is profiled with k drafts per request, not 1 (vllm#37521).
+        MRV2's ``profile_run`` -> ``_dummy_sampler_run`` runs no rejection sampler at all
+        (0.34 too); that is not backported (it needs a GPU to build and prove).
         Remove when: vLLM profiles ``num_speculative_tokens`` drafts (vllm#37521 merged).
     ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (all)
         -> hook ``kvguard_startup_report`` -> :mod:`vllm_kvguard.fixes.estimation.capacity`: one
@@ -47,6 +52,7 @@ from vllm_kvguard.registry import Patch, Private, Target
 
 NAME = "warmup"
 WARMUP_MODULE = "vllm.v1.worker.gpu.warmup"
+COMMITTABLE_MODULE = "vllm.v1.worker.extensible_kv_cache"   # 0.34+: warmup's block bound
 
 
 def _handled(hook_caller, call: HostCall, **kwargs):
@@ -74,17 +80,21 @@ def warmup_kernels(call: HostCall):
 
 @hooked(NAME)
 def reserved_block_count(call: HostCall):
-    """vLLM's own warmup count (0.32+) answered by the same block model (DCP: vLLM passes
-    none here, so like vLLM we count at the spec's block size)."""
+    """vLLM's own warmup count (0.32+) answered by the same block model, in the pin's own
+    arguments (0.34: ``vllm_config`` for the row cap, ``dcp_world_size``)."""
+    from vllm_kvguard.fixes.estimation.estimate import warmup_block_count
+
     if "max_model_len" not in call.kwargs:
         return call()
-    r = hook().kvguard_reserved_blocks(
-        spec=call.arg(1, "kvcache_spec"), num_tokens=call.arg(0, "num_tokens"),
-        num_lookahead_tokens=call.kwargs.get("num_lookahead_tokens", 0),
-        max_model_len=call.kwargs["max_model_len"],
-        num_encoder_tokens=call.kwargs.get("max_encoder_len", 0), dcp=1,
-        num_computed_tokens=0)
-    return r.table if r is not None else call()
+    kwargs = {k: call.kwargs[k] for k in _COUNT_ARGS if k in call.kwargs}
+    n = warmup_block_count(call.arg(0, "num_tokens"), call.arg(1, "kvcache_spec"),
+                           max_encoder_len=call.kwargs.get("max_encoder_len", 0),
+                           num_lookahead_tokens=call.kwargs.get("num_lookahead_tokens", 0),
+                           **kwargs)
+    return n if n is not None else call()
+
+
+_COUNT_ARGS = ("max_model_len", "vllm_config", "dcp_world_size")
 
 
 @hooked(NAME)
@@ -135,11 +145,16 @@ PATCH = Patch(
                also_at=("vllm.v1.worker.gpu_worker",), required=False),
         Target(WARMUP_MODULE, "_reserved_block_count", reserved_block_count, required=False),
         Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_sampler_run",
-               dummy_sampler_run, required=False),
+               dummy_sampler_run, required=False, versions="<0.34"),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", scheduler_init),
     ],
-    uses=(Private(WARMUP_MODULE, "", ("_warmup_kernels",), ">=0.32"),),
-    vllm_versions=">=0.27.1,<0.34",
+    uses=(Private(WARMUP_MODULE, "", ("_warmup_kernels",), ">=0.32"),
+          Private(WARMUP_MODULE, "_reserved_block_count", ("vllm_config", "dcp_world_size"),
+                  ">=0.34"),
+          Private(COMMITTABLE_MODULE, "", ("num_committable_kv_blocks",), ">=0.34"),
+          Private("vllm.v1.worker.gpu.model_runner", "GPUModelRunner",
+                  ("extensible_kv_cache", "speculator"), ">=0.34")),
+    vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#51438", "vllm#50531", "vllm#37521"),
     remove_when="vLLM's V2 warmup bounds its block ids and cleans up on failure, "
                 "MRV1 profiles k drafts (vllm#37521), and the startup concurrency / Mamba "

@@ -162,3 +162,44 @@ def test_a_failed_request_scheduled_again_before_its_end_is_not_asked_again(mock
     sched.schedule()
     assert spy.call_count == 1
     assert report.snapshot()["contained"] == {"get_num_new_matched_tokens": 1}
+
+
+# ------------------------------------------------- 0.34+: may_load_async (inflight KV loads)
+needs_may_load_async = pytest.mark.skipif(
+    not hasattr(DeferringConnector, "may_load_async"),
+    reason="no KVConnectorBase_V1.may_load_async in this vLLM (< 0.34)")
+
+
+def run_inflight(env, mocker):
+    spy = mocker.patch.object(DeferringConnector, "may_load_async", autospec=True,
+                              side_effect=fail_for_bad(DeferringConnector.may_load_async))
+    return spy, run(env, max_num_inflight_kv_loads=2)
+
+
+@needs_may_load_async
+def test_vllm_alone_dies_of_one_requests_may_load_async_error(mocker):
+    with pytest.raises(KeyError, match="lost its state for bad"):
+        run_inflight(OFF, mocker)
+
+
+@needs_may_load_async
+def test_a_may_load_async_error_ends_only_its_request(mocker, kvguard_log):
+    """``--max-num-inflight-kv-loads``: the scheduler asks the connector whether each
+    request entering the waiting queues may load asynchronously; a raise for "bad" ends
+    "bad" alone with an error, the others run to their length, nothing is left held."""
+    spy, (sched, reasons) = run_inflight(ON, mocker)
+    asked = [c.args[1].request_id for c in spy.call_args_list]
+    assert set(asked) == set(IDS)
+    assert_only_bad_failed(sched, reasons)
+    assert report.snapshot()["contained"] == {"may_load_async": 1}
+    line, = [ln for ln in kvguard_log.lines() if "KV connector" in ln]
+    assert "may_load_async(request bad) raised KeyError" in line
+
+
+def test_may_load_async_is_declared_only_where_vllm_has_it():
+    from vllm_kvguard.patches import containment
+    from vllm_kvguard.versions import vllm_version
+
+    change = containment.GUARDS["may_load_async"]
+    assert change.exists_in(vllm_version()) == hasattr(DeferringConnector, "may_load_async")
+    assert containment.PATCH.drift(vllm_version()) == []

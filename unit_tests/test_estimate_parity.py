@@ -22,7 +22,7 @@ from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager
                                                     make_request, spec_chunked, spec_class,
                                                     spec_cross, spec_full, spec_mamba,
                                                     spec_swa)
-from vllm_kvguard.testing.kv_fixtures import used_blocks  # noqa: E402
+from vllm_kvguard.testing.kv_fixtures import attention_spec, used_blocks  # noqa: E402
 
 EXAMPLES = 300
 
@@ -148,3 +148,102 @@ def test_lookahead_tokens_from_config():
     ngram = SimpleNamespace(num_speculative_tokens=3, use_eagle=lambda: False,
                             uses_draft_model=lambda: False)
     assert lookahead_tokens(SimpleNamespace(speculative_config=ngram)) == 0
+
+
+# ------------------------------------------- vLLM's own V2 warmup count (_reserved_block_count)
+def _vllm_count():
+    """vLLM's own ``_reserved_block_count`` (0.32+), unwrapped."""
+    warmup = pytest.importorskip("vllm.v1.worker.gpu.warmup")
+    fn = getattr(warmup, "_reserved_block_count", None)
+    if fn is None:
+        pytest.skip("no _reserved_block_count in this vLLM (0.27.1 counts inline)")
+    return warmup, getattr(fn, "__wrapped__", fn)
+
+
+SPEC_KINDS = ["full", "full-unsharded", "swa", "chunked", "mamba-none", "mamba-all",
+              "mamba-align", "cross", "ring"]
+
+
+def _spec(kind: str, bs: int, extra: int):
+    if kind == "full":
+        return spec_full(bs)
+    if kind == "full-unsharded":
+        return attention_spec(bs, dcp_sharded=False)
+    if kind == "swa":
+        return spec_swa(bs, extra)
+    if kind == "chunked":
+        return spec_chunked(bs, extra)
+    if kind.startswith("mamba"):
+        return spec_mamba(bs, kind.split("-")[1], extra % 5)
+    if kind == "cross":
+        return spec_cross(bs)
+    return attention_spec(bs, spec_class("CircularBufferSpec").__name__)
+
+
+@pytest.fixture
+def counts(kvguard_log):
+    """(vLLM's count, the wrapped count, the model's) under the plugin (``warmup`` patch)."""
+    from vllm_kvguard import activation
+    from vllm_kvguard.fixes.estimation.estimate import warmup_block_count
+    from vllm_kvguard.testing.kv_fixtures import accepted
+
+    warmup, original = _vllm_count()
+    res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "warmup"})
+    assert res["warmup"].startswith("applied"), res
+    wrapped = warmup._reserved_block_count
+    assert getattr(wrapped, "__wrapped__", None) is original
+    seen = {"answered": 0}
+
+    def count(spec, n, **kw):
+        kw = accepted(original, kw)
+        want = original(n, spec, **kw)
+        assert wrapped(n, spec, **kw) == want
+        got = warmup_block_count(n, spec, **kw)
+        seen["answered"] += 1
+        return want, got
+
+    yield count
+    assert seen["answered"] >= EXAMPLES
+
+
+@SETTINGS
+@given(kind=st.sampled_from(SPEC_KINDS), bs=st.sampled_from([1, 2, 4, 8, 16]),
+       extra=st.integers(1, 40), mml=st.integers(2, 512), n=st.integers(1, 600),
+       k=st.integers(0, 8), enc=st.integers(0, 300), dcp=st.sampled_from([1, 2, 4]),
+       cfg_dcp=st.sampled_from([1, 2, 4]))
+def test_warmup_count_equals_vllms_own(counts, kind, bs, extra, mml, n, k, enc, dcp, cfg_dcp):
+    """vLLM's own warmup count (unwrapped) = the wrapped count = our model, for every spec
+    type, DCP passed and DCP configured apart (0.34's row cap binds only then)."""
+    from types import SimpleNamespace
+
+    if kind == "ring":
+        spec_class("CircularBufferSpec")
+    spec = _spec(kind, bs, extra)
+    mode = kind.split("-")[1] if kind.startswith("mamba") else "none"
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=cfg_dcp),
+        cache_config=SimpleNamespace(mamba_cache_mode=mode))
+    want, got = counts(spec, n, vllm_config=config, num_lookahead_tokens=k,
+                       max_model_len=mml, max_encoder_len=enc, dcp_world_size=dcp)
+    assert got == want, (kind, bs, extra, mml, n, k, enc, dcp, cfg_dcp)
+
+
+def test_warmup_count_takes_dcp_and_the_row_cap():
+    """Full attention, block 16, 200 tokens, max_model_len 256, configured DCP 2: vLLM
+    0.34 counts 7 blocks at DCP 2 and caps at the 8-entry row when passed DCP 1; a copy
+    counting at DCP 1 with no cap (the guard before 0.34) says 13 in both cases."""
+    from types import SimpleNamespace
+
+    from vllm_kvguard.fixes.estimation.estimate import warmup_block_count
+
+    warmup, original = _vllm_count()
+    if "dcp_world_size" not in __import__("inspect").signature(original).parameters:
+        pytest.skip("vLLM's warmup count takes no DCP before 0.34")
+    spec = spec_full(16)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=2))
+    kw = dict(vllm_config=config, num_lookahead_tokens=0, max_model_len=256,
+              max_encoder_len=0)
+    for dcp, want in ((2, 7), (1, 8)):
+        assert original(200, spec, dcp_world_size=dcp, **kw) == want
+        assert warmup_block_count(200, spec, dcp_world_size=dcp, **kw) == want
+    assert reserved_blocks(spec, 200, max_model_len=256).table == 13

@@ -6,6 +6,7 @@ KV-cache config and spec objects (MRV2 cannot run on CPU).
 """
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -72,15 +73,17 @@ class Worker:
         return len(nr.block_ids[group])
 
 
-def make_runner(specs, num_blocks: int, *, k: int, max_model_len: int, max_num_seqs: int = 4):
+def make_runner(specs, num_blocks: int, *, k: int, max_model_len: int, max_num_seqs: int = 4,
+                dcp: int = 1, kv_cache=None):
     """A model-runner stand-in: what ``_warmup_kernels`` reads, over real spec objects."""
     spec_cfg = SimpleNamespace(num_speculative_tokens=k, use_eagle=lambda: k > 0,
-                               uses_draft_model=lambda: False) if k else None
+                               uses_draft_model=lambda: False,
+                               max_num_new_slots_for_drafting=0) if k else None
     return SimpleNamespace(
         vllm_config=SimpleNamespace(is_mm_encoder_only=False, num_lookahead_tokens=k,
                                     speculative_config=spec_cfg,
                                     parallel_config=SimpleNamespace(
-                                        decode_context_parallel_size=1)),
+                                        decode_context_parallel_size=dcp)),
         num_speculative_steps=k, decode_query_len=k + 1, is_pooling_model=False,
         kv_cache_config=make_kv_cache_config(specs, num_blocks),
         model_state=SimpleNamespace(max_encoder_len=0), is_encoder_decoder=False,
@@ -88,7 +91,10 @@ def make_runner(specs, num_blocks: int, *, k: int, max_model_len: int, max_num_s
                                          max_num_batched_tokens=8192),
         block_tables=None, model_config=SimpleNamespace(get_vocab_size=lambda: 1024),
         kv_block_zeroer=Zeroer(), kv_connector=Connector(), is_last_pp_rank=True,
-        max_model_len=max_model_len, adaptive_verification=None, rejection_sampler=None)
+        max_model_len=max_model_len, adaptive_verification=None, rejection_sampler=None,
+        # 0.34+: read at the runner, and the extensible KV cache (off here)
+        speculative_config=spec_cfg, max_num_tokens=8192, speculator=None,
+        extensible_kv_cache=kv_cache)
 
 
 def run_warmup(runner, worker):
@@ -299,3 +305,131 @@ def test_patch_declares_range_upstream_and_removal():
     assert {"vllm#51438", "vllm#37521"} <= set(p.upstream)
     assert p.vllm_versions and p.remove_when
     assert pw.__doc__.count("Remove when") == 4          # one per target group
+    # Model Runner V1 is gone from 0.34: its profiling target is declared absent there
+    v1 = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_sampler_run"
+    has_v1 = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+    assert (v1 in p.absent_by_declaration()) == (not has_v1)
+    assert (v1 in [t.name for t in p.targets_in()]) == has_v1
+
+
+# --------------------------------------------------------------------------- 0.34 shapes
+VLLM_DCP = NEW_WARMUP and "dcp_world_size" in __import__("inspect").signature(
+    W._reserved_block_count).parameters            # 0.34+: vLLM's count takes DCP
+
+
+def requests(worker) -> list:
+    """Every block id each dummy request received, per output, in order."""
+    out = []
+    for so in worker.outputs:
+        out.append([(nr.req_id, nr.block_ids) for nr in so.scheduled_new_reqs])
+        out.append(list(so.scheduled_cached_reqs.new_block_ids or ()))
+    return out
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+@pytest.mark.parametrize("mode,k", [(None, 0), (None, 3), ("none", 2), ("align", 3)])
+def test_roomy_pool_warmup_equals_vllms_own(mode, k, dcp):
+    """On a pool with room, the guard's rewritten warmup hands every request exactly the
+    block ids vLLM's own plan does (DCP included on 0.34, whose count takes it); where
+    vLLM's count has no DCP (0.32/0.33), the guard follows the allocator instead."""
+    if not NEW_WARMUP:
+        pytest.skip("0.27.1's own plan under-counts (vllm#51438): the under-count tests")
+    bs = 4
+    specs = [spec_full(bs)] + ([spec_mamba(bs if mode == "align" else 64, mode, k)]
+                                if mode else [])
+    before = Worker()
+    run_warmup(make_runner(specs, 400, k=k, max_model_len=64, dcp=dcp), before)
+    patched()
+    after = Worker()
+    run_warmup(make_runner(specs, 400, k=k, max_model_len=64, dcp=dcp), after)
+    truth = reserved_blocks(specs[0], k + 2, num_lookahead_tokens=k, max_model_len=64,
+                            dcp=dcp).table
+    assert after.prefill_blocks(0) == truth
+    if dcp == 1 or VLLM_DCP:
+        assert requests(after) == requests(before)
+    else:
+        assert before.prefill_blocks(0) == reserved_blocks(    # no DCP in 0.32/0.33's count
+            specs[0], k + 2, num_lookahead_tokens=k, max_model_len=64).table
+    assert report.snapshot()["warmup"] == {"ok": 1}
+
+
+def test_dcp_prefill_equals_the_allocator():
+    """DCP 2, block 4, k=3: a real KVCacheManager (DCP 2) holds 1 block for the 5-token
+    warmup prefill plus 3 lookahead tokens; the patched warmup gives the same."""
+    from vllm_kvguard.testing.estimate_fixtures import allocate, held, make_manager, make_request
+
+    spec = spec_full(4)
+    manager = make_manager([spec], num_blocks=64, max_model_len=64, dcp=2)
+    assert allocate(manager, make_request("r", 5), 5, k=3) is not None
+    patched()
+    worker = Worker()
+    run_warmup(make_runner([spec], 400, k=3, max_model_len=64, dcp=2), worker)
+    assert worker.prefill_blocks(0) == held(manager, "r").table == 1
+
+
+class ExtensibleKVCache:
+    """What vLLM 0.34's warmup reads of an extensible KV cache: the committable bound."""
+
+    def __init__(self, committable: int):
+        self.warmup_committable_blocks, self.commits = committable, []
+
+    def commit(self, num_blocks, defragment=False, shrink=False):
+        self.commits.append(num_blocks)
+
+
+needs_committable = pytest.mark.skipif(
+    not hasattr(W, "num_committable_kv_blocks"), reason="no extensible KV cache (< 0.34)")
+
+
+@needs_committable
+def test_ids_stay_within_the_committable_blocks(kvguard_log):
+    """A 200-block pool of which warmup may commit 12: vLLM caps its requests by the
+    committable count; the guard keeps every id below it, and only the real run commits
+    (its dry runs commit nothing)."""
+    specs = [spec_full(16), spec_mamba(256, "none", 3)]
+    kv = ExtensibleKVCache(12)
+    patched()
+    worker = Worker()
+    run_warmup(make_runner(specs, 200, k=3, max_model_len=256, max_num_seqs=8,
+                           kv_cache=kv), worker)
+    assert max(worker.block_ids()) < 12
+    assert len(kv.commits) == 1 and max(worker.block_ids()) < kv.commits[0] <= 12
+    assert report.snapshot()["warmup"] == {"ok": 1}
+
+
+@needs_committable
+def test_one_request_floor_beyond_the_committable_blocks_is_skipped(kvguard_log):
+    """Warmup may commit 5 blocks but one request needs 8: vLLM's one-request floor commits
+    and addresses past the bound; the guard skips the warmup and commits nothing."""
+    specs = [spec_full(16), spec_mamba(256, "none", 3)]
+    kv = ExtensibleKVCache(5)
+    before = Worker()
+    run_warmup(make_runner(specs, 200, k=3, max_model_len=256, kv_cache=kv), before)
+    record_defect("warmup", "warmup-past-committable", present=max(before.block_ids()) >= 5,
+                  detail=f"highest id {max(before.block_ids())}, commit {kv.commits} of 5")
+    assert max(before.block_ids()) >= 5 and kv.commits[0] > 5
+    patched()
+    kv.commits.clear()
+    after = Worker()
+    run_warmup(make_runner(specs, 200, k=3, max_model_len=256, kv_cache=kv), after)
+    assert after.outputs == [] and kv.commits == []
+    assert report.snapshot()["warmup"] == {"skipped_no_room": 1}
+
+
+@pytest.mark.skipif(not NEW_WARMUP or "greedy" not in __import__("inspect").signature(
+    W._warmup_kernels).parameters, reason="no greedy warmup pass (< 0.34)")
+def test_greedy_pass_under_drafts_is_guarded_too():
+    """0.34's ``warmup_kernels`` runs ``_warmup_kernels`` again with greedy=True under
+    drafts (inside ``_fixed_draft_counts``): both passes go through the guard, in bounds."""
+    specs = [spec_full(16), spec_mamba(16, "align", 7)]
+    patched()
+    worker = Worker()
+    W.warmup_kernels(make_runner(specs, 11, k=7, max_model_len=32, max_num_seqs=1),
+                     worker.execute, worker.sample)
+    assert report.snapshot()["warmup"] == {"skipped_no_room": 2}
+    worker = Worker()
+    report.reset_counters()
+    W.warmup_kernels(make_runner(specs, 200, k=3, max_model_len=256), worker.execute,
+                     worker.sample)
+    assert report.snapshot()["warmup"] == {"ok": 2}
+    assert max(worker.block_ids()) < 200 and not worker.registered

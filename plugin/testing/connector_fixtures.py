@@ -57,15 +57,18 @@ class DeferringConnector(KVConnectorBase_V1):
 
 def make_connector_scheduler(*, defers: int, is_async: bool = False, matched_tokens: int = 0,
                              num_gpu_blocks: int = 10000, block_size: int = BLOCK_SIZE,
-                             **transfer):
+                             max_num_inflight_kv_loads: int | None = None, **transfer):
     """A real ``Scheduler`` with prefix caching and a :class:`DeferringConnector`;
-    ``transfer``: more ``KVTransferConfig`` fields (``kv_load_failure_policy``)."""
+    ``transfer``: more ``KVTransferConfig`` fields (``kv_load_failure_policy``);
+    ``max_num_inflight_kv_loads`` (0.34+): the scheduler asks ``may_load_async``."""
     from vllm.config import KVTransferConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = make_vllm_config(num_gpu_blocks=num_gpu_blocks, block_size=block_size)
     config.scheduler_config.disable_hybrid_kv_cache_manager = True    # one group: no HMA
+    if max_num_inflight_kv_loads is not None:
+        config.scheduler_config.max_num_inflight_kv_loads = max_num_inflight_kv_loads
     config.kv_transfer_config = KVTransferConfig(
         kv_connector="DeferringConnector", kv_role="kv_both",
         kv_connector_module_path=__name__,

@@ -1,11 +1,12 @@
 """Per-request fault containment: a KV connector call that fails ends only its request.
 
 The scheduler calls its KV connector inline for one request at a time
-(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``request_finished``); an
-exception there escapes ``Scheduler.schedule`` and EngineCore dies with every request on
-it. Here each such call is guarded: an ``Exception`` is logged (one line naming the
-request, the call and the exception), counted (``contained``, reason = the call) and
-answered with the connector's neutral reply (no match yet / nothing to do / free now), so
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``request_finished``; 0.34+:
+``may_load_async`` as a request enters the waiting queues); an exception there escapes
+``Scheduler.schedule`` (or ``add_request``) and EngineCore dies with every request on it.
+Here each such call is guarded: an ``Exception`` is logged (one line naming the request,
+the call and the exception), counted (``contained``, reason = the call) and answered with
+the connector's neutral reply (no match yet / nothing to do / free now / no async load), so
 vLLM's loop goes on; when the step's connector metadata is built the request is finished
 with an error through the scheduler's own error path, its blocks freed. Blocks a failed
 ``update_state_after_alloc`` may have left without their external KV are evicted from the
@@ -31,9 +32,11 @@ NEUTRAL = {
     "update_state_after_alloc": None,
     "request_finished": (False, None),               # free the blocks now, no transfer
     "request_finished_all_groups": (False, None),
+    "may_load_async": False,                         # 0.34+: the plain waiting queue
 }
 METHODS = tuple(NEUTRAL)
-REASONS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished")
+REASONS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished",
+           "may_load_async")
 report.declare("contained", REASONS)
 
 

@@ -6,6 +6,8 @@ does a request of N tokens hold in this KV-cache group", speculative decoding in
 managers' own arithmetic (a parity fuzz checks it against the real allocator on every
 pin). The null block is counted at pool level (``num_blocks - 1`` usable). Unknown specs
 return None; third-party ``kvguard_reserved_blocks`` hookimpls may answer first.
+:func:`warmup_block_count` is vLLM's own warmup count (``_reserved_block_count``) answered
+by this model, in each pin's signature (0.34: DCP and the per-request row cap).
 """
 from __future__ import annotations
 
@@ -47,27 +49,16 @@ def _is(spec, name: str) -> bool:
 
 def manager_block_size(spec, dcp: int = 1) -> int:
     """The allocation granularity of the group's manager: ``block_size`` x DCP where the
-    spec is DCP-sharded. 0.32+: ``spec.dcp_sharded``; 0.29: full attention only
-    (``kv_cache_utils.dcp_world_size_for_kv_cache_spec``); 0.27.1: every attention spec."""
+    spec is DCP-sharded. 0.32+: ``spec.dcp_sharded``; 0.27.1: every attention spec."""
     if dcp <= 1 or _is(spec, "MambaSpec"):     # Mamba state is replicated, never sharded
         return spec.block_size
-    if hasattr(spec, "dcp_sharded"):
-        return spec.block_size * (dcp if spec.dcp_sharded else 1)
-    rule = _dcp_rule()
-    return spec.block_size * (rule(spec, dcp) if rule is not None else dcp)
-
-
-def _dcp_rule():
-    try:
-        from vllm.v1.core import kv_cache_utils
-    except Exception:
-        return None
-    return getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
+    return spec.block_size * (dcp if getattr(spec, "dcp_sharded", True) else 1)
 
 
 def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
                     max_model_len: int, num_encoder_tokens: int = 0, dcp: int = 1,
-                    num_computed_tokens: int = 0) -> Reserved | None:
+                    num_computed_tokens: int = 0,
+                    max_blocks_per_req: int | None = None) -> Reserved | None:
     """Blocks the allocator reserves for one request in the group of ``spec``.
 
     Per spec type (``N`` = ``num_tokens``, ``k`` = lookahead, ``B`` = block size x DCP,
@@ -89,8 +80,19 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
     included, at most ``max_model_len``); ``num_lookahead_tokens``: the scheduler's
     lookahead (``VllmConfig.num_lookahead_tokens``: k for EAGLE/draft models, 0 for
     ngram); ``num_encoder_tokens``: encoder length (cross-attention); ``dcp``: decode
-    context parallel size; ``num_computed_tokens``: tokens processed before this step.
+    context parallel size; ``num_computed_tokens``: tokens processed before this step;
+    ``max_blocks_per_req``: the block-table row length vLLM 0.34+ caps attention tables at
+    (:func:`row_cap`; it never binds when it is taken at the same DCP size).
     """
+    return capped(spec, _reserved_blocks(
+        spec, num_tokens, num_lookahead_tokens=num_lookahead_tokens,
+        max_model_len=max_model_len, num_encoder_tokens=num_encoder_tokens, dcp=dcp,
+        num_computed_tokens=num_computed_tokens), max_blocks_per_req)
+
+
+def _reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int, max_model_len: int,
+                     num_encoder_tokens: int, dcp: int,
+                     num_computed_tokens: int) -> Reserved | None:
     names = _spec_classes()
     if "UniformTypeKVCacheSpecs" in names and _is(spec, "UniformTypeKVCacheSpecs"):
         spec = spec.first_spec
@@ -134,18 +136,65 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
     return Reserved(table, table - skipped)
 
 
+def _uncapped(spec) -> bool:
+    """Specs vLLM's warmup count returns before its row cap (Mamba, cross, ring)."""
+    if _is(spec, "UniformTypeKVCacheSpecs"):
+        spec = spec.first_spec
+    return any(_is(spec, n) for n in ("MambaSpec", "CrossAttentionSpec", "CircularBufferSpec"))
+
+
+def capped(spec, r: Reserved | None, max_blocks_per_req: int | None) -> Reserved | None:
+    """``r`` with its table capped at the block-table row (vLLM 0.34+'s warmup rule)."""
+    if r is None or max_blocks_per_req is None or _uncapped(spec):
+        return r
+    table = min(r.table, max_blocks_per_req)
+    return Reserved(table, min(r.physical, table))
+
+
+def row_cap(spec, vllm_config, max_model_len: int) -> int | None:
+    """The block-table row length vLLM 0.34+ caps a warmup request's table at
+    (``spec.max_num_blocks_per_req``, at the config's DCP size); None where uncapped."""
+    if _is(spec, "UniformTypeKVCacheSpecs"):
+        spec = spec.first_spec
+    fn = getattr(spec, "max_num_blocks_per_req", None)
+    if fn is None or vllm_config is None or _uncapped(spec):
+        return None
+    return int(fn(vllm_config, max_model_len))
+
+
 def reserved(spec, num_tokens: int, *, num_lookahead_tokens: int = 0, max_model_len: int,
-             num_encoder_tokens: int = 0, dcp: int = 1,
-             num_computed_tokens: int = 0) -> Reserved | None:
+             num_encoder_tokens: int = 0, dcp: int = 1, num_computed_tokens: int = 0,
+             max_blocks_per_req: int | None = None) -> Reserved | None:
     """What callers use: the ``kvguard_reserved_blocks`` hook (a third-party impl may answer
-    for a custom spec first), or :func:`reserved_blocks` when no impl answers."""
+    for a custom spec first), or :func:`reserved_blocks` when no impl answers; capped at
+    ``max_blocks_per_req`` either way."""
     from vllm_kvguard.manager import hook
 
     kwargs = dict(num_lookahead_tokens=num_lookahead_tokens, max_model_len=max_model_len,
                   num_encoder_tokens=num_encoder_tokens, dcp=dcp,
                   num_computed_tokens=num_computed_tokens)
     result = hook().kvguard_reserved_blocks(spec=spec, num_tokens=num_tokens, **kwargs)
-    return result if result is not None else reserved_blocks(spec, num_tokens, **kwargs)
+    if result is None:
+        result = reserved_blocks(spec, num_tokens, **kwargs)
+    return capped(spec, result, max_blocks_per_req)
+
+
+def warmup_block_count(num_tokens: int, kvcache_spec, *, num_lookahead_tokens: int,
+                       max_model_len: int, max_encoder_len: int, vllm_config=None,
+                       dcp_world_size: int = 1) -> int | None:
+    """vLLM's ``_reserved_block_count`` (V2 warmup), answered by :func:`reserved`, in every
+    pin's signature: 0.32/0.33 count at the spec's block size with no cap; 0.34 passes
+    ``vllm_config`` (the row cap, :func:`row_cap`) and ``dcp_world_size``. Like vLLM, a
+    cross-attention table is counted at the spec's block size (the allocator shards it by
+    DCP, so vLLM's warmup count is the larger). None for a spec with no model."""
+    spec = kvcache_spec
+    first = spec.first_spec if _is(spec, "UniformTypeKVCacheSpecs") else spec
+    dcp = 1 if _is(first, "CrossAttentionSpec") else int(dcp_world_size or 1)
+    r = reserved(spec, num_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                 max_model_len=max_model_len, num_encoder_tokens=max_encoder_len or 0,
+                 dcp=dcp, num_computed_tokens=0,
+                 max_blocks_per_req=row_cap(spec, vllm_config, max_model_len))
+    return r.table if r is not None else None
 
 
 def device_groups(kv_cache_config) -> list:

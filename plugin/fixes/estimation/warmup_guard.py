@@ -4,16 +4,19 @@ vLLM's V2 warmup hand-builds ``SchedulerOutput``s with dummy requests and block 
 picks itself. It under-counts speculative blocks on 0.27.1 (vllm#51438), can hand out a
 block id beyond the pool on a tight pool (every version: its one-request floor), and a
 failing step aborts startup with the dummy requests still held. This fix sizes the
-warmup with :func:`~vllm_kvguard.fixes.estimation.estimate.reserved_blocks`, rewrites every dummy
-request's block ids within the pool, and on a failed step finishes the dummy requests,
-restores the connector and block 0, and lets startup continue with one warning.
+warmup with :func:`~vllm_kvguard.fixes.estimation.estimate.reserved_blocks` (DCP and, as
+vLLM 0.34 does, the per-request row cap), rewrites every dummy request's block ids within
+the pool (0.34: the blocks warmup may commit, ``num_committable_kv_blocks``), and on a
+failed step finishes the dummy requests, restores the connector and block 0, and lets
+startup continue with one warning. Each ``_warmup_kernels`` call (0.34 runs a second,
+greedy one under drafts) is guarded on its own.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
-from vllm_kvguard.fixes.estimation.estimate import lookahead_tokens, reserved
+from vllm_kvguard.fixes.estimation.estimate import lookahead_tokens, reserved, row_cap
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
 from vllm_kvguard.report import count
@@ -45,6 +48,23 @@ class _NullConnector:
         pass
 
 
+class _DryKVCache(_Proxy):
+    """An extensible KV cache (0.34+) a dry run may read but not commit."""
+
+    def commit(self, *args, **kwargs):
+        pass
+
+
+def committable_blocks(runner) -> int:
+    """The blocks warmup may address: ``num_committable_kv_blocks`` (0.34+: fewer than the
+    pool with an extensible KV cache), else the pool's ``num_blocks``."""
+    try:
+        from vllm.v1.worker.extensible_kv_cache import num_committable_kv_blocks
+    except ImportError:
+        return int(runner.kv_cache_config.num_blocks)
+    return int(num_committable_kv_blocks(runner))
+
+
 @dataclass
 class WarmupPlan:
     """What the pool and the allocator look like to the warmup."""
@@ -55,26 +75,30 @@ class WarmupPlan:
     max_model_len: int
     encoder_len: int = 0
     dcp: int = 1
+    caps: list = field(default_factory=list)    # per-request row cap per spec (or None)
 
     @classmethod
     def of(cls, runner) -> "WarmupPlan":
         kvc = runner.kv_cache_config
         vc = runner.vllm_config
         parallel = getattr(vc, "parallel_config", None)
-        return cls(specs=[g.kv_cache_spec for g in kvc.kv_cache_groups],
-                   num_blocks=int(kvc.num_blocks), lookahead=lookahead_tokens(vc),
-                   max_model_len=int(runner.max_model_len),
+        specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+        mml = int(runner.max_model_len)
+        return cls(specs=specs, num_blocks=committable_blocks(runner),
+                   lookahead=lookahead_tokens(vc), max_model_len=mml,
                    encoder_len=int(getattr(getattr(runner, "model_state", None),
                                            "max_encoder_len", 0) or 0),
-                   dcp=int(getattr(parallel, "decode_context_parallel_size", 1) or 1))
+                   dcp=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+                   caps=[_cap(s, vc, mml) for s in specs])
 
     def tables(self, num_tokens: int, computed: int) -> list[int]:
         out = []
-        for spec in self.specs:
+        for i, spec in enumerate(self.specs):
             r = reserved(spec, num_tokens, num_lookahead_tokens=self.lookahead,
-                                max_model_len=self.max_model_len,
-                                num_encoder_tokens=self.encoder_len, dcp=self.dcp,
-                                num_computed_tokens=computed)
+                         max_model_len=self.max_model_len,
+                         num_encoder_tokens=self.encoder_len, dcp=self.dcp,
+                         num_computed_tokens=computed,
+                         max_blocks_per_req=self.caps[i] if self.caps else None)
             if r is None:
                 raise LookupError(f"no block model for KV spec {type(spec).__name__}")
             out.append(r.table)
@@ -84,6 +108,13 @@ class WarmupPlan:
         """Names of the group specs the block model does not know."""
         return [type(s).__name__ for s in self.specs
                 if reserved(s, 1, max_model_len=self.max_model_len) is None]
+
+
+def _cap(spec, vllm_config, max_model_len: int) -> int | None:
+    try:
+        return row_cap(spec, vllm_config, max_model_len)
+    except Exception:       # a config stand-in without the fields the spec reads
+        return None
 
 
 @dataclass
@@ -153,7 +184,10 @@ def _runner_for(runner, max_num_seqs: int | None, dry: bool):
         overrides["scheduler_config"] = _Proxy(runner.scheduler_config,
                                                max_num_seqs=max_num_seqs)
     if dry:
-        overrides.update(kv_connector=_NullConnector(), kv_block_zeroer=None)
+        overrides.update(kv_connector=_NullConnector(), kv_block_zeroer=None, speculator=None)
+        kv_cache = getattr(runner, "extensible_kv_cache", None)
+        if kv_cache is not None:
+            overrides["extensible_kv_cache"] = _DryKVCache(kv_cache)
     return _Proxy(runner, **overrides) if overrides else runner
 
 
@@ -207,6 +241,9 @@ def rollback(runner, execute, registered: list[str]) -> None:
     connector = getattr(runner, "kv_connector", None)
     if connector is not None:
         connector.set_disabled(False)
+    speculator = getattr(runner, "speculator", None)       # as vLLM's own cleanup (0.34)
+    if speculator is not None and hasattr(speculator, "reset_state"):
+        speculator.reset_state()
     zeroer = getattr(runner, "kv_block_zeroer", None)
     if zeroer is not None:
         zeroer.zero_block_ids([0])
