@@ -25,8 +25,8 @@ Two figures, as on/off ratios side by side
       layout, and of the means;
     * CPU time per step (``time.process_time``) over interleaved off/on pairs: the
       median pair ratio and its spread.
-    Target: the scheduler step with the plugin at >= 0.99x the unpatched one, i.e.
-    instructions on/off <= 1.01.
+    Target (issue 35, vLLM 0.32-0.34): instructions on/off <= 1.02, i.e. the scheduler
+    step with the plugin at >= 0.98x the unpatched one.
 
     ``--floor`` counts a third side, "floor": the plugin on with its allocator transaction
     cut to a pass-through of vLLM's own signature (``_floor.py``), and splits on's excess
@@ -59,6 +59,7 @@ RUNNING = 256               # max_num_seqs: running requests in steady state
 MAX_BATCHED = 2048          # token budget per step (256 x (1 + k) decode + admissions)
 MAX_MODEL_LEN = 2048
 NUM_BLOCKS = 2900           # pool (incl. null block): steady decode, then a few preemptions
+TARGET = 1.02              # instructions on/off per step
 FAMILIES = [[(f * 7919 + i * 31) % 997 + 3 for i in range(512)] for f in range(8)]
 
 
@@ -400,9 +401,9 @@ def main(argv=None) -> int:
             print(f"{name:22} {off:>12} {on:>12} {ratio:8.4f}  {spread}")
     if instr is not None:
         ratio = statistics.fmean(instr["on"]) / statistics.fmean(instr["off"])
-        verdict = "PASS" if ratio <= 1.01 else "MISS"
+        verdict = "PASS" if ratio <= TARGET else "MISS"
         print(f"{verdict}: scheduler step with the plugin at {1 / ratio:.4f}x the unpatched "
-              f"step in instructions (on/off {ratio:.4f}; target >= 0.99x, on/off <= 1.01)")
+              f"step in instructions (on/off {ratio:.4f}; target on/off <= {TARGET})")
         if "floor" in instr:
             off, on = statistics.fmean(instr["off"]), statistics.fmean(instr["on"])
             floor = statistics.fmean(instr["floor"])

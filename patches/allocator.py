@@ -12,8 +12,9 @@ Run-time changes
     pluggy (``allocate_slots`` runs once per scheduled request per step). Any other
     registration, a trip, or revert removes them all.
     ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.transaction.journal`): its
-    ``metrics_collector`` (wrapping vLLM's own, if any), ``touch`` and
-    ``_insert_block_hash``.
+    free queue's ``popleft_n`` (the blocks ``get_new_blocks`` takes), ``touch`` and
+    ``_insert_block_hash``. The same seams on every release; ``metrics_collector`` is
+    never set, so vLLM 0.34's collector-less fast path in ``get_new_blocks`` stays on.
 Why
     ``allocate_slots`` checks the budget once, then mutates group by group; a wrong
     estimate for one group raises ``ValueError("Cannot get N free blocks")`` half-way and
@@ -38,10 +39,11 @@ STM = "vllm.v1.core.single_type_kv_cache_manager"
 FAST_PATH = InstanceAttr(KV_MANAGER, "KVCacheManager", "allocate_slots",
                          "the manager's transaction, called without wrapt and pluggy")
 POOL = "vllm.v1.core.block_pool"
+UTILS = "vllm.v1.core.kv_cache_utils"
 POOL_SEAMS = {
-    "metrics_collector": InstanceAttr(POOL, "BlockPool", "metrics_collector",
-                                      "logs each block get_new_blocks hands out (and "
-                                      "reports it to vLLM's own collector)", overwrite=True),
+    "popleft_n": InstanceAttr(UTILS, "FreeKVCacheBlockQueue", "popleft_n",
+                              "logs the blocks get_new_blocks takes from a pool's free "
+                              "queue, in pop order"),
     "touch": InstanceAttr(POOL, "BlockPool", "touch",
                           "logs each touched block's ref count and free-queue place"),
     "_insert_block_hash": InstanceAttr(POOL, "BlockPool", "_insert_block_hash",
@@ -138,9 +140,13 @@ PATCH = Patch(
     ],
     changes=(FAST_PATH, *POOL_SEAMS.values()),
     uses=(
-        Private(POOL, "BlockPool", ("_maybe_evict_cached_block", "_insert_block_hash")),
-        Private("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector",
-                ("on_block_allocated", "on_block_evicted", "on_block_accessed", "reset")),
+        Private(POOL, "BlockPool", ("_maybe_evict_cached_block", "_insert_block_hash",
+                                    "free_block_queue", "cached_block_hashes_by_block")),
+        Private(UTILS, "FreeKVCacheBlockQueue", ("popleft_n", "prepend_n", "num_free_blocks",
+                                                 "fake_free_list_head", "fake_free_list_tail")),
+        Private(UTILS, "KVCacheBlock", ("ref_cnt", "prev_free_block", "next_free_block",
+                                        "block_hash")),
+        Private(UTILS, "KVCacheBlock", ("pool",), ">=0.32"),   # the audit: a weakref >=0.34
         Private(STM, "SingleTypeKVCacheManager", ("_partial_hit_reqs",)),
         Private(STM, "SingleTypeKVCacheManager", ("_record_new_block_ids",)),
         Private(STM, "FullAttentionManager", ("_pending_cow_copies",)),
@@ -148,7 +154,7 @@ PATCH = Patch(
         Private(STM, "MambaManager", ("_pending_boundary_state_offloads",), ">=0.29"),
         Private("vllm.v1.core.sched.scheduler", "Scheduler", ("_pause_state",)),
     ),
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#45856", "vllm#46892", "vllm#35541", "vllm#39734"),
     remove_when="vLLM rolls back a half-done allocate_slots itself and rejects "
                 "requests that can never fit",

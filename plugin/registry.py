@@ -24,7 +24,7 @@ import wrapt
 
 from vllm_kvguard.log import logger
 from vllm_kvguard.lookup import _MISSING, code_names, has_own, resolve, resolve_object
-from vllm_kvguard.versions import in_range
+from vllm_kvguard.versions import in_range, vllm_version
 
 class KvguardWrapper(wrapt.FunctionWrapper):
     """The marker type of every wrapper vllm-kvguard installs."""
@@ -47,10 +47,15 @@ class Target:
     wrapper: Callable
     also_at: tuple[str, ...] = ()   # modules that did ``from module import name``
     required: bool = True           # missing optional targets are skipped, with a log line
+    versions: str = ""              # the vLLM releases that have it (a packaging specifier)
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.qualname}"
+
+    def exists_in(self, version) -> bool:
+        """Whether the installed vLLM is one that has this target (by declaration)."""
+        return not self.versions or version is None or in_range(version, self.versions)
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,14 @@ class _Change:
     kind = "change"
 
     def __init__(self, module: str, qualname: str, attr: str, why: str,
-                 required: bool = True):
+                 required: bool = True, versions: str = ""):
         self.module, self.qualname, self.attr, self.why = module, qualname, attr, why
         self.required = required
+        self.versions = versions     # the vLLM releases that have it ("" = all)
         self.patch: Patch | None = None
+
+    def exists_in(self, version) -> bool:
+        return not self.versions or version is None or in_range(version, self.versions)
 
     @property
     def name(self) -> str:
@@ -122,8 +131,8 @@ class InstanceAttr(_Change):
     kind = "instance attribute"
 
     def __init__(self, module: str, qualname: str, attr: str, why: str,
-                 required: bool = True, overwrite: bool = False):
-        super().__init__(module, qualname, attr, why, required)
+                 required: bool = True, overwrite: bool = False, versions: str = ""):
+        super().__init__(module, qualname, attr, why, required, versions)
         self.overwrite = overwrite
 
     def set(self, obj, value) -> bool:
@@ -178,8 +187,9 @@ class ModuleGlobal(_Change):
 
     kind = "module global"
 
-    def __init__(self, module: str, attr: str, why: str, required: bool = True):
-        super().__init__(module, "", attr, why, required)
+    def __init__(self, module: str, attr: str, why: str, required: bool = True,
+                 versions: str = ""):
+        super().__init__(module, "", attr, why, required, versions)
 
     def replace(self, value) -> bool:
         mod = sys.modules.get(self.module) or resolve_object(self.module, "")
@@ -282,16 +292,29 @@ class Patch:
     def supports(self, version) -> bool:
         return in_range(version, self.vllm_versions)
 
-    def missing_targets(self) -> list[str]:
+    def targets_in(self, version=None) -> list[Target]:
+        """The targets the installed vLLM has by declaration (``Target.versions``)."""
+        version = version if version is not None else vllm_version()
+        return [t for t in self.targets if t.exists_in(version)]
+
+    def absent_by_declaration(self, version=None) -> list[str]:
+        """Targets this patch declares gone from the installed vLLM (never wrapped,
+        never claimed)."""
+        version = version if version is not None else vllm_version()
+        return [t.name for t in self.targets if not t.exists_in(version)]
+
+    def missing_targets(self, version=None) -> list[str]:
         """Required targets absent from the installed vLLM."""
-        return [t.name for t in self.targets
+        return [t.name for t in self.targets_in(version)
                 if t.required and resolve(t.module, t.qualname) is None]
 
     def drift(self, version=None) -> list[str]:
         """Every required name of this patch the installed vLLM lacks (the drift guard):
         wrapped targets, run-time change sites and private names."""
-        missing = self.missing_targets()
-        missing += [m for c in self.changes if c.required and (m := c.missing())]
+        missing = self.missing_targets(version)
+        current = version if version is not None else vllm_version()
+        missing += [m for c in self.changes
+                    if c.required and c.exists_in(current) and (m := c.missing())]
         for private in self.uses:
             missing += private.missing(version)
         return missing
@@ -319,7 +342,8 @@ class Patch:
         """
         if self._active:
             return []
-        loaded = [t for t in self.targets if t.module in sys.modules]
+        targets = self.targets_in()
+        loaded = [t for t in targets if t.module in sys.modules]
         missing = [t.name for t in loaded
                    if t.required and resolve(t.module, t.qualname) is None]
         if missing:
@@ -329,7 +353,7 @@ class Patch:
         self._generation += 1
         notes, deferred = [], 0
         try:
-            for t in self.targets:
+            for t in targets:
                 if t.module in sys.modules:
                     note = self._wrap(t)
                     if note:

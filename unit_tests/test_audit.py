@@ -134,3 +134,37 @@ def test_audit_mode_runs_after_every_schedule(scheduler_factory, kvguard_log, au
         assert any("ref_mismatch" in line and rid in line for line in kvguard_log.lines())
     else:
         assert "audit_violation" not in counters
+
+
+def test_clean_scheduler_run_has_held_blocks_and_a_planted_leak_is_found(scheduler_factory,
+                                                                          kvguard_log):
+    """A real Scheduler stepped with audit mode on: the held blocks are attributed to
+    their requests (vLLM 0.34 keeps a block's pool as a weakref) and nothing is reported;
+    then a request forgotten without freeing leaks exactly its blocks, and the audit says
+    so after the next step."""
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator", "KVGUARD_AUDIT": "1"})
+    sched = scheduler_factory()
+    for i in range(3):
+        sched.add_request(make_request(f"q{i}", prompt(i + 5, 40 + i)))
+    for _ in range(4):
+        scheduler_step(sched)
+    clean = audit_scheduler(sched)
+    assert clean.ok and clean.held > 0 and clean.leaked == 0, clean.summary()
+    assert clean.free + clean.held + 1 == clean.total
+    assert "audit_violation" not in report.snapshot()
+
+    rid = sorted(r.request_id for r in sched.running)[0]
+    stm = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    own = {b.block_id for b in stm.req_to_blocks[rid] if not b.is_null and b.ref_cnt == 1}
+    assert own
+    del stm.req_to_blocks[rid]                          # forgotten, never freed
+    stm.num_cached_block.pop(rid, None)
+    leak = audit_scheduler(sched)
+    assert {v.block_id for v in leak.violations if v.kind == "leaked"} == own
+    assert leak.leaked == len(own)
+    from vllm.v1.request import RequestStatus
+
+    sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)   # frees nothing now
+    scheduler_step(sched)                               # the hook audits after schedule
+    assert report.snapshot()["audit_violation"]["leaked"] >= 1
+    assert any("leaked" in line for line in kvguard_log.lines())

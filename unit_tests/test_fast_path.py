@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
-from vllm_kvguard.testing.kv_fixtures import (hybrid_manager, make_request, prefill, state,  # noqa: E402
-                         state_diff)
+from vllm_kvguard.testing.kv_fixtures import (free_ids, hybrid_manager, make_request, prefill,  # noqa: E402
+                         state, state_diff)
 
 from vllm_kvguard import activation, hostcall, report  # noqa: E402
 from vllm_kvguard.flags import FaultSpec  # noqa: E402
@@ -21,6 +21,7 @@ from vllm_kvguard.hostcall import InjectedFault  # noqa: E402
 from vllm_kvguard.manager import get_plugin_manager, register, unregister  # noqa: E402
 from vllm_kvguard.patches import allocator  # noqa: E402
 from vllm_kvguard.patches import faults as fault_patch  # noqa: E402
+from vllm_kvguard.versions import in_range, vllm_version  # noqa: E402
 
 pytestmark = pytest.mark.requires_patch("allocator")
 
@@ -67,6 +68,30 @@ def test_the_manager_gets_its_transaction_at_its_first_call():
     assert m.allocate_slots is fast(m)                       # an instance attribute
     assert ("instance attribute", allocator.FAST_PATH.name, m) in [
         (kind, name, obj) for kind, name, obj in allocator.PATCH.inventory()]
+
+
+# ------------------------------------------------------------------------- vLLM's own
+def test_the_journal_logs_pops_in_order_and_keeps_vllms_collector_less_path(mocker):
+    """The pop log is the free queue's own order, and no collector is installed: vLLM
+    0.34's ``get_new_blocks`` then skips ``_maybe_evict_cached_block`` for blocks that
+    were never cached (its fast path); older releases call it for every block."""
+    activate()
+    m, _ = running_manager()
+    pool = m.block_pool
+    journal = allocator._State.fix.plan_for(m).journal
+    head = free_ids(m)[:3]
+    journal.log.clear()
+    assert [b.block_id for b in pool.get_new_blocks(3)] == head
+    assert [b.block_id for b in journal.log] == head
+    pool.free_blocks(journal.log[::-1])
+    evict = mocker.spy(pool, "_maybe_evict_cached_block")
+    head = pool.free_block_queue.get_all_free_blocks()[:4]
+    n = next((i for i, b in enumerate(head) if b.block_hash is not None), len(head))
+    assert n, "the queue's head must hold never-cached blocks"
+    got = pool.get_new_blocks(n)
+    fast_path = in_range(vllm_version(), ">=0.34")
+    assert evict.call_count == (0 if fast_path else n), evict.call_count
+    pool.free_blocks(got)
 
 
 # ------------------------------------------------------------------------- stepping aside

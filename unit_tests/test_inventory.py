@@ -47,6 +47,7 @@ def test_the_registry_lists_every_change_and_revert_restores_each_object():
     plain = _traffic()                                 # vLLM alone: its own attributes
     plain_keys = {"manager": set(vars(plain.kv_cache_manager)),
                   "pool": set(vars(plain.kv_cache_manager.block_pool)),
+                  "queue": set(vars(plain.kv_cache_manager.block_pool.free_block_queue)),
                   "scheduler": set(vars(plain))}
     classes = _class_attrs()
 
@@ -54,15 +55,17 @@ def test_the_registry_lists_every_change_and_revert_restores_each_object():
     sched = _traffic()
     assert report.snapshot().get("rollback"), "the traffic must roll something back"
     manager, pool = sched.kv_cache_manager, sched.kv_cache_manager.block_pool
+    queue = pool.free_block_queue
     rows = [(p.name, kind, name, obj) for p in ALL_PATCHES for kind, name, obj in p.inventory()]
     on_objects = {(kind, name.rsplit(".", 1)[-1]) for _p, kind, name, obj in rows
-                  if obj is manager or obj is pool}
+                  if obj is manager or obj is pool or obj is queue}
     assert {("instance attribute", a) for a in ("allocate_slots", "touch", "_insert_block_hash",
-                                                "metrics_collector")} <= on_objects
-    assert pool.metrics_collector is not None          # vLLM's own value (None) overwritten
+                                                "popleft_n")} <= on_objects
+    assert pool.metrics_collector is None              # vLLM's own value, never replaced
     # Nothing undeclared: every attribute the live objects have beyond vLLM's own is listed.
     declared = {(id(obj), name.rsplit(".", 1)[-1]) for _p, _k, name, obj in rows}
-    for label, obj in (("manager", manager), ("pool", pool), ("scheduler", sched)):
+    for label, obj in (("manager", manager), ("pool", pool), ("queue", queue),
+                       ("scheduler", sched)):
         extra = set(vars(obj)) - plain_keys[label]
         assert {(id(obj), a) for a in extra} <= declared, (label, extra)
     wrapped = {name for _p, kind, name, _obj in rows if kind == "wrapped"}
@@ -73,7 +76,7 @@ def test_the_registry_lists_every_change_and_revert_restores_each_object():
     assert [r for p in ALL_PATCHES for r in p.inventory()] == []
     assert set(vars(manager)) == plain_keys["manager"]
     assert set(vars(pool)) == plain_keys["pool"]
-    assert pool.metrics_collector is None              # vLLM's own value back
+    assert set(vars(queue)) == plain_keys["queue"]
     assert set(vars(sched)) == plain_keys["scheduler"]
     for (parent, attr), raw in classes.items():
         assert vars(parent).get(attr) is raw, f"{parent.__name__}.{attr} not restored"

@@ -280,20 +280,22 @@ def test_rolled_back_hook_names_the_group(kvguard_log):
 def test_fast_path_and_pool_seams_are_removed_on_deactivate():
     activate()
     m, run = cached_prefix_manager()
+    pool = m.block_pool
     assert "allocate_slots" in vars(m)                   # per-instance fast path
-    assert {"touch", "_insert_block_hash"} <= set(vars(m.block_pool))
-    assert m.block_pool.metrics_collector is not None    # the journal's collector
+    assert {"touch", "_insert_block_hash"} <= set(vars(pool))
+    assert "popleft_n" in vars(pool.free_block_queue)    # the journal's pop log
+    assert pool.metrics_collector is None                # vLLM's own value, untouched
     activation.deactivate()
     assert "allocate_slots" not in vars(m)
-    assert not {"touch", "_insert_block_hash"} & set(vars(m.block_pool))
-    assert m.block_pool.metrics_collector is None        # vLLM's own value again
+    assert not {"touch", "_insert_block_hash"} & set(vars(pool))
+    assert "popleft_n" not in vars(pool.free_block_queue)
     assert decode(m, run) is not None                    # vLLM runs as before
 
 
 def test_vllms_own_metrics_collector_keeps_its_reports():
-    """With vLLM's KV-cache metrics on, the journal's collector wraps vLLM's: every block
-    handed out still reaches it, anything else vLLM reads from it is answered by it, a
-    failure is still rolled back, and deactivating puts vLLM's object back."""
+    """With vLLM's KV-cache metrics on, the journal leaves vLLM's collector in place: every
+    block handed out still reaches it, a failure is still rolled back, and nothing of
+    the journal is left on the pool after deactivation."""
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
     activate()
@@ -301,10 +303,8 @@ def test_vllms_own_metrics_collector_keeps_its_reports():
     m = make_manager([attention_spec(BS), mamba_spec(BS, "align")], num_blocks=48,
                      metrics_collector=own)
     pool = m.block_pool
-    assert pool.metrics_collector is own
     assert admit(m, make_request("r", prompt(1, 40))) is not None
-    assert pool.metrics_collector is not own             # the journal's, around vLLM's
-    assert pool.metrics_collector.sample_rate == 1.0     # answered by vLLM's
+    assert pool.metrics_collector is own
     held = {b.block_id for g in groups(m) for b in g.req_to_blocks["r"] if not b.is_null}
     assert held and held <= set(own.block_metrics)       # every block handed out reported
     before = state(m)
@@ -312,21 +312,7 @@ def test_vllms_own_metrics_collector_keeps_its_reports():
     assert admit(m, make_request("r2", prompt(2, 40))) is None
     assert state_diff(before, state(m)) == []
     activation.deactivate()
-    assert pool.metrics_collector is own
-
-
-def test_without_a_vllm_collector_the_journal_answers_only_the_reports():
-    """vLLM has no collector: the journal's logs the pops, ignores evictions and accesses,
-    and answers nothing else (reading ``sample_rate`` from a collector vLLM never set
-    fails at once, as it would on ``None``)."""
-    activate()
-    m, run = cached_prefix_manager()
-    c = m.block_pool.metrics_collector
-    assert c.on_block_evicted(object()) == 0 and c.on_block_accessed(object()) == 0
-    c.reset()
-    with pytest.raises(AttributeError):
-        c.sample_rate
-    assert decode(m, run) is not None
+    assert pool.metrics_collector is own and "popleft_n" not in vars(pool.free_block_queue)
 
 
 def test_unknown_manager_type_is_left_alone(kvguard_log):
@@ -449,10 +435,12 @@ def test_another_hookimpl_gets_the_hook_path_and_still_rolls_back():
     assert report.snapshot()["rollback"] == {"InjectedFault": 1}
 
 
-@pytest.mark.parametrize("n_mamba", [23])
-def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba):
+@pytest.mark.parametrize("alone", [False, True], ids=["allocator", "KVGUARD=1-alone"])
+@pytest.mark.parametrize("n_mamba", [1, 23])
+def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba, alone):
     """A hybrid with few attention layers splits into many KV-cache groups: 1 full
-    attention + 23 Mamba groups. The transaction has no group limit."""
+    attention + 23 Mamba groups (and the plain two-group case). The transaction has no
+    group limit; ``alone``: with ``KVGUARD=1`` and nothing else set."""
     specs = [attention_spec()] + [mamba_spec(mode="align") for _ in range(n_mamba)]
     failing = ValueError("Cannot get 1 free blocks from the pool")
     activate(fix=False)
@@ -461,7 +449,9 @@ def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba):
     with pytest.raises(ValueError):               # vLLM alone: raises half-allocated
         admit(plain, make_request("r", prompt(1, 40)))
     assert any(g.req_to_blocks.get("r") for g in groups(plain)[:-1])
-    activate()
+    activation.deactivate()
+    activation.activate({"KVGUARD": "1"} if alone else {"KVGUARD": "1",
+                                                       "KVGUARD_PATCHES": "allocator"})
     m = make_manager(specs, num_blocks=256, enable_caching=True)
     assert len(groups(m)) == 1 + n_mamba
     mocker.patch.object(groups(m)[-1], "allocate_new_blocks", side_effect=failing)

@@ -86,8 +86,10 @@ def test_the_prediction_is_one_short():
     assert used == 5                                     # what it really took
 
 
-def test_with_the_fix_none_and_exact_prior_state_then_success_when_room_exists():
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+@pytest.mark.parametrize("env", [{"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"},
+                                 {"KVGUARD": "1"}], ids=["allocator", "KVGUARD=1-alone"])
+def test_with_the_fix_none_and_exact_prior_state_then_success_when_room_exists(env):
+    activation.activate(env)
     m = make_pool(6)
     holder = make_request("holder", range(500, 510))
     assert m.allocate_slots(holder, 10) is not None      # 1 attention + 1 Mamba block

@@ -22,6 +22,7 @@ Invariants (null block excluded: vLLM does not maintain its ref count)
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -58,6 +59,19 @@ class AuditResult:
         head = (f"total {self.total} = free {self.free} + held {self.held} + null 1; "
                 f"leaked {self.leaked}")
         return head if self.ok else head + "; " + "; ".join(map(str, self.violations[:5]))
+
+
+_GONE = object()     # the pool of a block whose weakly referenced pool is gone
+
+
+def _pool_of(block):
+    """The pool a block belongs to (None: vLLM does not say): vLLM 0.34 keeps it as a
+    ``weakref.ref``, older releases as the pool itself."""
+    pool = getattr(block, "pool", None)
+    if isinstance(pool, weakref.ReferenceType):
+        pool = pool()
+        return _GONE if pool is None else pool
+    return pool
 
 
 def _free_list(pool, result: AuditResult) -> set[int]:
@@ -104,7 +118,7 @@ def audit_manager(manager, *, extra_holders=(), known_requests=None, idle_reques
         ncb = getattr(m, "num_cached_block", {})
         for rid, blocks in m.req_to_blocks.items():
             ids = [b.block_id for b in blocks
-                   if not b.is_null and getattr(b, "pool", None) in (None, pool)]
+                   if not b.is_null and _pool_of(b) in (None, pool)]
             for bid, n in Counter(ids).items():
                 if n > 1:
                     result.violations.append(Violation(

@@ -4,9 +4,9 @@ A rollback gives back the blocks the call took, restores the ref counts and free
 places of the blocks it touched and forgets the prefix-cache hashes it set. The journal
 sees the pool through three seams, declared instance attributes of the allocator patch:
 
-* ``metrics_collector``: vLLM reports each block ``get_new_blocks`` hands out, in pop
-  order; ours reports it into the log with ``list.append`` itself (no Python frame on
-  the hot path) and passes every report on to vLLM's own collector when there is one;
+* the free queue's ``popleft_n``: logs the blocks ``get_new_blocks`` takes, in pop order,
+  as it takes them (one frame per call, not per block). The pool's ``metrics_collector``
+  is left alone: vLLM 0.34's ``get_new_blocks`` has a faster path taken only without one;
 * ``touch``: logs each touched block with its ref count and free-queue predecessor;
 * ``_insert_block_hash``: logs each block that gains a hash (full, partial or moved).
 
@@ -22,57 +22,15 @@ TOUCH, HASHED = "touch", "hashed"
 _ref_and_prev = operator.attrgetter("ref_cnt", "prev_free_block")
 #: ``_insert_block_hash``'s parameters after ``self`` (the shadow has the same ones).
 INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
+#: ``FreeKVCacheBlockQueue.popleft_n``'s parameters after ``self``.
+POP_PARAMS = ("n",)
 
 
-#: What the collector does with evictions and accesses when vLLM has no collector: a C
-#: callable of one argument without effect (``id`` would raise an audit event per call).
-_IGNORE = ().count
-
-
-class Collector:
-    """``BlockPool.metrics_collector`` while the journal is installed and vLLM has no
-    collector of its own: the hot report is the log's ``append`` and the two others do
-    nothing, C callables taking one argument, so a report costs no Python frame. No
-    ``__getattr__``: with one, every attribute vLLM reads from it takes the slow path."""
-
-    __slots__ = ("on_block_allocated", "on_block_evicted", "on_block_accessed")
-
-    def __init__(self, log: list):
-        self.on_block_allocated = log.append
-        self.on_block_evicted = self.on_block_accessed = _IGNORE
-
-    def reset(self) -> None:
-        pass
-
-
-class ForwardingCollector:
-    """The same, around vLLM's own collector: every report also goes to it, and anything
-    else vLLM asks (``sample_rate``, ``drain_events``) is answered by it."""
-
-    __slots__ = ("on_block_allocated", "on_block_evicted", "on_block_accessed", "inner")
-
-    def __init__(self, log: list, inner):
-        self.inner = inner
-        report = inner.on_block_allocated
-
-        def on_block_allocated(block):
-            log.append(block)
-            report(block)
-
-        self.on_block_allocated = on_block_allocated
-        self.on_block_evicted = inner.on_block_evicted
-        self.on_block_accessed = inner.on_block_accessed
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def collector(log: list, inner):
-    """The journal's ``metrics_collector`` for a pool whose own is ``inner``."""
-    return Collector(log) if inner is None else ForwardingCollector(log, inner)
+def _params(fn) -> tuple | None:
+    try:
+        return tuple(inspect.signature(fn).parameters)[1:]
+    except (TypeError, ValueError):
+        return None
 
 
 class PoolJournal:
@@ -87,35 +45,48 @@ class PoolJournal:
 
     def unsupported(self) -> str | None:
         """Why this pool's seams are not the ones the journal knows (None: they are)."""
-        try:
-            params = tuple(inspect.signature(self.cls._insert_block_hash).parameters)[1:]
-        except (AttributeError, TypeError, ValueError):
+        params = _params(getattr(self.cls, "_insert_block_hash", None))
+        if params is None:
             return "a BlockPool without _insert_block_hash"
         if params != INSERT_PARAMS:
             return "a BlockPool._insert_block_hash with other parameters"
-        if not hasattr(self.pool, "metrics_collector"):
-            return "a BlockPool without metrics_collector"
+        if _params(getattr(type(self.queue), "popleft_n", None)) != POP_PARAMS \
+                or not hasattr(self.queue, "__dict__"):
+            return "a free block queue without popleft_n(n)"
         return None
 
     def install(self) -> bool:
-        """Put the seams on the pool; False (nothing left installed) if one cannot be."""
-        seams = {"metrics_collector": collector(self.log, self.pool.metrics_collector),
-                 "touch": self._touch, "_insert_block_hash": self._inserting()}
+        """Put the seams on the pool and its free queue; False (nothing left installed) if
+        one cannot be."""
+        seams = {"popleft_n": (self.queue, self._popping()),
+                 "touch": (self.pool, self._touch),
+                 "_insert_block_hash": (self.pool, self._inserting())}
         done = []
-        for name, value in seams.items():
-            if not self.changes[name].set(self.pool, value):
-                for n in done:
-                    self.changes[n].unset(self.pool)
+        for name, (obj, value) in seams.items():
+            if not self.changes[name].set(obj, value):
+                for n, o in done:
+                    self.changes[n].unset(o)
                 return False
-            done.append(name)
+            done.append((name, obj))
         return True
 
     def uninstall(self) -> None:
-        for change in self.changes.values():
-            change.unset(self.pool)
+        for name, change in self.changes.items():
+            change.unset(self.queue if name == "popleft_n" else self.pool)
 
     # -- the shadows (``touch`` calls the class attribute each time: wrappers applied later
-    # run; nothing wraps the private ``_insert_block_hash``)
+    # run; nothing wraps the private ``_insert_block_hash`` or the queue's ``popleft_n``)
+    def _popping(self):
+        """The ``popleft_n`` shadow: a closure, so a pop costs one frame and an extend."""
+        extend, queue, pop = self.log.extend, self.queue, type(self.queue).popleft_n
+
+        def popleft_n(n):
+            blocks = pop(queue, n)
+            extend(blocks)
+            return blocks
+
+        return popleft_n
+
     def _touch(self, blocks, *args, **kwargs):
         flat = blocks
         if blocks and isinstance(blocks[0], (list, tuple)):     # older per-group form

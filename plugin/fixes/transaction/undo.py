@@ -29,6 +29,8 @@ def rollback(plan, rec: tuple, log: list, rid: str) -> bool:
     cached, aligned, rare_vals = rec
     if not plan.intact():
         raise RollbackFailed("a per-request container of a KV manager was replaced")
+    if plan.journal.pool.free_block_queue is not plan.journal.queue:
+        raise RollbackFailed("the pool's free block queue was replaced (pops not logged)")
     popped = [e for e in log if type(e) is not tuple]
     pop_ids = {id(b) for b in popped}
     touched = {id(b) for e in log if type(e) is tuple and e[0] == TOUCH for b in e[1]}
