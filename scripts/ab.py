@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The main job: the A/B demo on the default pinned vLLM, on a fresh machine.
+"""The main job: the A/B benchmark on the default pinned vLLM, on a fresh machine.
 
-    python3 scripts/ab.py [kvguard-ab arguments]
+    python3 scripts/ab.py [kvguard-ab arguments]     # about 10 minutes on 2 idle cores
+    python3 scripts/ab.py --scenario alloc-faults --no-microbench    # the short form
 
 Builds (or reuses) the default pin's cached venv (``scripts/venvs.py``), adds the
 ``chart`` extra (matplotlib, for the PNG) when it is missing, then runs

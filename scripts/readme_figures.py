@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Rewrite the README's A/B figures from a real ``kvguard-ab`` run, so they cannot drift.
+"""Write the A/B sample the README shows from a real ``kvguard-ab`` run, so it cannot drift.
 
     python3 scripts/readme_figures.py                 # runs the main job (scripts/ab.py) first
     python3 scripts/readme_figures.py --json RUN.json # from the JSON of a run already made
 
-The block between the ``ab-figures`` markers of README.md becomes: one line naming the
+Writes ``docs/ab-sample.md``: between the ``ab-figures`` markers, one line naming the
 command, vLLM and torch versions, machine, date and duration; the run's own table
-(:func:`vllm_kvguard.tools.abreport.format_table`); and its chart, written beside the
-README (``docs/kvguard-ab.png``) when matplotlib is installed. Arguments after ``--`` go
-to ``scripts/ab.py``. Runs in the default pin's venv when started by another Python.
+(:func:`vllm_kvguard.tools.abreport.format_table`); and its chart ``docs/kvguard-ab.png``
+when matplotlib is installed. ``--readme PATH`` also replaces the same marked block in
+that file (the chart linked as ``docs/kvguard-ab.png``). Arguments after ``--`` go to
+``scripts/ab.py``. Runs in the default pin's venv when started by another Python.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- ab-figures: scripts/readme_figures.py writes this block from a real run -->"
 END = "<!-- /ab-figures -->"
 PNG = "docs/kvguard-ab.png"
+SAMPLE = "docs/ab-sample.md"
+SAMPLE_HEAD = ("# kvguard-ab: the default run\n\nOne real run of the main job, written by "
+               "`python3 scripts/readme_figures.py`, never edited by hand.\n\n")
 
 
 def shown_command(command: str) -> str:
@@ -43,13 +47,13 @@ def shown_command(command: str) -> str:
 def render(report: dict, png: str | None) -> str:
     """The README block for ``report`` (a kvguard-ab JSON report)."""
     from vllm_kvguard.tools.abchart import machine
-    from vllm_kvguard.tools.abreport import format_table
+    from vllm_kvguard.tools.abreport import format_table, pairs
 
     env, s = report.get("environment") or {}, report.get("settings") or {}
     head = (f"{shown_command(report.get('command', 'kvguard-ab'))} on vLLM "
             f"{env.get('vllm', '?')}, torch {env.get('torch', '?')}, {machine(env)}, "
             f"{(report.get('started_at') or '?')[:10]}, {report.get('duration_s', 0):.0f} s "
-            f"in all; each row is {s.get('repeat', '?')} fresh A/B process pairs, A = plugin "
+            f"in all; each row is {pairs(s.get('repeat', '?'))}, A = plugin "
             f"off, B = plugin on, rounds interleaved ABBA on the same CPU:")
     lines = [BEGIN, head, "", "```", format_table(report), "```"]
     if png:
@@ -60,7 +64,7 @@ def render(report: dict, png: str | None) -> str:
 def replace_block(text: str, block: str) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise SystemExit(f"readme_figures: README.md has no {BEGIN!r} ... {END!r} block")
+        raise SystemExit(f"readme_figures: the file has no {BEGIN!r} ... {END!r} block")
     return text[:start] + block + text[end + len(END):]
 
 
@@ -68,7 +72,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="readme_figures.py", description=__doc__.split("\n")[0])
     p.add_argument("--json", metavar="PATH", help="a kvguard-ab JSON report (default: run "
                                                   "the main job now)")
-    p.add_argument("--readme", default=str(REPO / "README.md"), metavar="PATH")
+    p.add_argument("--readme", metavar="PATH",
+                   help="also replace the marked block of this file (e.g. README.md)")
+    p.add_argument("--sample", default=str(REPO / SAMPLE), metavar="PATH",
+                   help=f"the sample page (default {SAMPLE})")
     p.add_argument("ab_args", nargs="*", help="after --: arguments for scripts/ab.py")
     a = p.parse_args(argv)
     if a.json is None:
@@ -87,14 +94,24 @@ def main(argv: list[str]) -> int:
 
         pin = next(pin for pin in venvs.read_pins() if pin.default)
         python = venvs.venv_dir(pin) / "bin" / "python"
-        os.execv(str(python), [str(python), __file__, "--json", a.json, "--readme", a.readme])
+        os.execv(str(python), [str(python), __file__, "--json", a.json, "--sample", a.sample]
+                 + (["--readme", a.readme] if a.readme else []))
     report = abreport.load(a.json)
-    readme = Path(a.readme)
-    png = abchart.write_png(report, readme.parent / PNG)
+    sample = Path(a.sample)
+    png = abchart.write_png(report, REPO / PNG)
     if png is None:
-        print(f"readme_figures: {abchart.MISSING}; the README keeps no chart", file=sys.stderr)
-    readme.write_text(replace_block(readme.read_text(), render(report, png and PNG)))
-    print(f"readme_figures: {readme} rewritten from {a.json}" + (f", {png}" if png else ""))
+        print(f"readme_figures: {abchart.MISSING}; no chart", file=sys.stderr)
+    link = png and os.path.relpath(png, sample.parent)
+    sample.parent.mkdir(parents=True, exist_ok=True)
+    sample.write_text(SAMPLE_HEAD + render(report, link) + "\n")
+    written = [str(sample)] + ([str(png)] if png else [])
+    if a.readme:
+        readme = Path(a.readme)
+        readme.write_text(replace_block(readme.read_text(),
+                                        render(report, png and os.path.relpath(
+                                            png, readme.resolve().parent))))
+        written.append(str(readme))
+    print(f"readme_figures: wrote {', '.join(written)} from {a.json}")
     return 0
 
 

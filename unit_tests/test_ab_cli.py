@@ -15,7 +15,7 @@ from vllm_kvguard.tools.abscenarios import (MIN_AUTO_ROUNDS, SCENARIOS, scenario
 @pytest.fixture
 def no_engine(mocker):
     """Any attempt to start an engine or a benchmark fails the test."""
-    mocker.patch.object(ab, "microbench", side_effect=AssertionError("benchmark started"))
+    mocker.patch.object(abmicro, "start", side_effect=AssertionError("benchmark started"))
     mocker.patch.object(abrun, "WorkloadProcess", side_effect=AssertionError("engine started"))
     mocker.patch.object(abrun, "run_in_subprocess", side_effect=AssertionError("engine started"))
 
@@ -164,8 +164,9 @@ def test_slow_scenarios_ask_for_more_rounds():
     assert abrun.calibrate(auto, [a], floor=6) == 6
     assert abrun.calibrate(auto, [a], floor=1) == MIN_AUTO_ROUNDS     # never below the minimum
     assert abrun.calibrate({"rounds": 2, "sample_seconds": 1.0}, [a], floor=6) == 2  # explicit wins
-    assert SCENARIOS["hybrid-spec"].min_rounds > MIN_AUTO_ROUNDS
-    assert SCENARIOS["coverage"].min_rounds > MIN_AUTO_ROUNDS
+    # the default run fits in 10 minutes: the slow hybrid scenario runs a short workload
+    hybrid = SCENARIOS["hybrid-spec"].workload
+    assert hybrid["max_tokens"] * hybrid["num_requests"] <= 32
 
 
 @pytest.fixture
@@ -224,8 +225,8 @@ def test_sigterm_stops_like_ctrl_c_and_restores_the_handlers(fake_run, tmp_path)
 
 
 def test_microbench_scripts_are_found_in_the_source_checkout():
-    for name in abmicro.MICROBENCH:
-        assert (abmicro.BENCH_DIR / f"bench_{name}.py").is_file()
+    for script, _, _ in abmicro.MICROBENCH.values():
+        assert (abmicro.BENCH_DIR / f"bench_{script}.py").is_file()
 
 
 def test_microbench_absent_is_na(tmp_path, monkeypatch):
@@ -259,6 +260,17 @@ def test_microbench_dispatch_reports_the_worst_case_with_a_target(tmp_path, monk
     res = abmicro.microbench("dispatch", 60)
     assert res["ratio"] == pytest.approx(1.023)
     assert res["detail"].startswith("V1 uniform decode, graphed")
+
+
+def test_the_instruction_count_is_read_as_a_deterministic_ratio(tmp_path, monkeypatch):
+    _fake_bench(tmp_path, "allocator", "per call: ...\nvLLM 97,370 Ir/call; through a "
+                "pass-through +669 (0.69%); through the transaction +2,788 Ir/call (2.86%), "
+                "of which its record, journal reset and try +2,119; per layout: +669/+2,788")
+    monkeypatch.setattr(abmicro, "BENCH_DIR", tmp_path)
+    proc = abmicro.start("instructions")              # in the background, as ab does
+    res = abmicro.finish("instructions", proc, 60)
+    assert res["ratio"] == pytest.approx(1 + 2788 / 97370) and res["deterministic"]
+    assert "+2,788 Ir (2.86%" in res["detail"]
 
 
 def test_microbench_without_its_summary_is_na(tmp_path, monkeypatch):

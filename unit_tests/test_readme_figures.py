@@ -1,5 +1,6 @@
-"""The README's A/B block is what scripts/readme_figures.py renders: same markers, same
-head line and table layout (the numbers are the run's)."""
+"""The A/B sample page (docs/ab-sample.md, which the README shows) is what
+scripts/readme_figures.py renders: same markers, same head line and table layout (the
+numbers are the run's)."""
 import re
 from pathlib import Path
 
@@ -8,19 +9,20 @@ from vllm_kvguard.testing.ab_samples import report, scenario
 from vllm_kvguard.tools import abreport
 
 figures = scripts.load("readme_figures")
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / figures.SAMPLE
 
 
 def skeleton(line: str) -> str:
     """A line with every number as N, every date as D, the machine (``x86_64, cpu, 2
     CPUs``: its parts vary) as M and runs of spaces as one."""
-    line = re.sub(r"\d{4}-\d\d-\d\d", "D", line)
+    line = re.sub(r"\d{4}-\d\d-\d\d", "D", line).replace("process pairs", "process pair")
     line = re.sub(r"(torch [^,]+), [^;]*? CPUs,", r"\1, M,", line)
     return re.sub(r" +", " ", re.sub(r"\d+(?:\.\d+)?", "N", line)).strip()
 
 
 def readme_block() -> list[str]:
-    text = README.read_text()
+    text = SAMPLE.read_text()
     start, end = text.index(figures.BEGIN), text.index(figures.END)
     return text[start:end + len(figures.END)].splitlines()
 
@@ -48,8 +50,8 @@ def test_the_readme_block_has_the_renderers_layout():
     after = ours[fence[1] + 1:-1]                                # the chart, if drawn
     if after:
         assert len(after) == 2 and after[0] == ""
-        assert skeleton(after[1]) == f"![kvguard-ab chart: D]({figures.PNG})"
-        assert (README.parent / figures.PNG).is_file()
+        assert skeleton(after[1]) == "![kvguard-ab chart: D](kvguard-ab.png)"
+        assert (REPO / figures.PNG).is_file()
 
 
 def test_render_and_replace():

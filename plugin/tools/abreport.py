@@ -19,6 +19,11 @@ COLUMNS = ("scenario", "side", "plugin", "startup s", "done/failed/aborted", "di
 MP_NA = "n/a (mp)"   # --multiprocess: the CUDA-graph audit object stays in the worker
 
 
+def pairs(n) -> str:
+    """``1 fresh A/B process pair``, ``3 fresh A/B process pairs``."""
+    return f"{n} fresh A/B process pair" + ("" if n == 1 else "s")
+
+
 def _num(v: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -109,7 +114,7 @@ def format_table(report: dict) -> str:
     lines.insert(0, f"kvguard-ab {report.get('kvguard_version', '')}: vLLM "
                     f"{env.get('vllm', '?')} on {env.get('platform', '?')} "
                     f"({env.get('cpus', '?')} CPUs); A = plugin off, B = plugin on; "
-                    f"{s.get('repeat')} fresh A/B process pairs per scenario, tolerance "
+                    f"{pairs(s.get('repeat'))} per scenario, tolerance "
                     f"{s.get('tolerance')}" + threads)
     lines.append("")
     for sc in report["scenarios"]:
@@ -132,6 +137,11 @@ def _closing_lines(report: dict) -> list[str]:
     lines = []
     mb = report.get("microbench") or {}
     for name, res in mb.items():
+        if res.get("deterministic") and isinstance(res.get("ratio"), (int, float)):
+            lines.append(f"cost in instructions (callgrind, deterministic, this run): "
+                         f"{res['ratio']:.4f} ({res.get('meaning', 'B/A')}; "
+                         f"{res.get('detail', '')})")
+            continue
         if isinstance(res.get("ratio"), (int, float)):
             cell = f"{res['ratio']:.3f} ({res.get('meaning', 'B/A')}; {res.get('detail', '')})"
         else:
@@ -227,8 +237,8 @@ def verdict_line(report: dict) -> str:
     word, unsure = verdict(report), checks_with(report, abstats.INCONCLUSIVE)
     return ("verdict: " + word
             + (f" ({'; '.join(checks_with(report, FAIL))})" if word == "FAIL" else "")
-            + (f"; inconclusive, re-run with a larger --repeat: {'; '.join(unsure)}"
-               if unsure else ""))
+            + (f"; throughput not resolved by this run's noise (inconclusive, not a "
+               f"failure): {'; '.join(unsure)}" if unsure else ""))
 
 
 # ---------------------------------------------------------------------------- JSON

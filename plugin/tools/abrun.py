@@ -280,7 +280,8 @@ def run_scenario(sc: Scenario, settings: dict, prog: Progress,
                          "source": "reference run", "error": ref.get("error")}
             references[key] = reference
     par = abstats.parity(a, b, reference)
-    thr = abstats.throughput_summary(a["tok_s"], b["tok_s"])
+    thr = abstats.throughput_summary(a["tok_s"], b["tok_s"], a["sample_round_s"],
+                                     b["sample_round_s"])
     checks = abstats.checks(a, b, par, thr, settings["tolerance"], sc.faulted_fail)
     return {"name": sc.name, "description": sc.description, "spec": spec,
             "rounds_per_sample": rounds, "sides": summary,

@@ -58,14 +58,13 @@ SCENARIOS = {sc.name: sc for sc in (
              "(prefix caching off: vLLM's CPU limit; on CPU both sides zero-pad the conv weight "
              "that vLLM's kernel reads past: workload.pad_cpu_conv_weights)", model="nemotron_h",
              engine={"enable_prefix_caching": False, "speculative_config": NGRAM_K3},
-             workload={"max_tokens": 16}, min_rounds=6),     # slow rounds: more of them
+             workload={"max_tokens": 8, "num_requests": 4}),   # slow steps on CPU: short
     Scenario("coverage", "decode shapes (16 seqs x (1+3) tokens) outgrow the captured graph "
              "sizes; on CPU nothing is captured, the audit counters show what would be",
              engine={"block_size": 32, "max_num_seqs": 16, "speculative_config": NGRAM_K3},
              gpu_engine={"enforce_eager": False,
                          "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}},
-             workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"},
-             min_rounds=6),
+             workload={"num_requests": 16}, env_b={"KVGUARD_CUDAGRAPH_COMPLETE": "1"}),
     Scenario("self-check", "A/A: the plugin off on both sides; the ratio must be 1.0 within "
              "tolerance, or the harness (machine, pinning) is biased", engine=_POOL,
              plugin_b=False, default=False),

@@ -3,7 +3,8 @@ their results, with a timeout on every wait.
 
 Each child is a fresh interpreter in its own process group, with every ``KVGUARD*``
 variable of this environment removed and the caller's added: only the caller decides
-whether the plugin is on there. :func:`run_in_subprocess` runs one workload to its end;
+whether the plugin is on there. :func:`run_in_subprocess` runs one workload to its end,
+:func:`run_together` several children at once;
 :class:`WorkloadProcess` drives a ``--serve`` child command by command (the A/B tool's
 interleaved rounds). A child that does not answer in time is killed with its group and
 reported ``hung``; one that exits without a result is reported ``engine_died``.
@@ -11,6 +12,7 @@ reported ``hung``; one that exits without a result is reported ``engine_died``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm_kvguard.tools.workload import IMPORTED_TAG, READY_TAG, RESULT_TAG, ROUND_TAG
 
@@ -36,18 +39,22 @@ def child_env(spec: dict, env: dict[str, str] | None = None) -> dict[str, str]:
     return full_env
 
 
-def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
-                      timeout: float = 300.0) -> dict:
-    """Run :func:`vllm_kvguard.tools.workload.run` in a fresh interpreter with ``env`` added
-    to this environment."""
-    cmd = [sys.executable, "-m", "vllm_kvguard.tools.workload", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def start_child(spec: dict, env: dict[str, str] | None = None,
+                module: str = "vllm_kvguard.tools.workload") -> subprocess.Popen:
+    """Start ``python -m module SPEC-JSON`` in its own process group (:func:`child_env`);
+    ``module`` may carry arguments before the spec (``"pkg.mod --flag"``)."""
+    return subprocess.Popen([sys.executable, "-m", *module.split(), json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_env(spec, env), start_new_session=True)
+
+
+def collect(proc: subprocess.Popen, spec: dict, timeout: float) -> dict:
+    """The result line of a child from :func:`start_child` (killed with its group after
+    ``timeout`` s: ``hung``; ended without a result: ``engine_died``)."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException as exc:
-        if proc.poll() is None:                 # timeout, or Ctrl-C in the caller
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)                        # timeout, or Ctrl-C in the caller
         if not isinstance(exc, subprocess.TimeoutExpired):
             raise
         stdout, stderr = proc.communicate()
@@ -63,6 +70,36 @@ def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
     return {"spec": spec, "ok": False, "engine_died": True, "returncode": proc.returncode,
             "error": f"process exited {proc.returncode} without a result",
             "stderr": stderr[-4000:]}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
+                      timeout: float = 300.0) -> dict:
+    """Run :func:`vllm_kvguard.tools.workload.run` in a fresh interpreter with ``env`` added
+    to this environment."""
+    return collect(start_child(spec, env), spec, timeout)
+
+
+def run_together(jobs: list[tuple[dict, dict[str, str] | None, str]],
+                 timeout: float = 300.0) -> list[dict]:
+    """Several children at once, ``(spec, env, module)`` each: one result per job, in
+    order. Started together (their imports overlap), read by one thread each (a full pipe
+    never stalls a child); Ctrl-C kills every one of them."""
+    procs = [start_child(spec, env, module) for spec, env, module in jobs]
+    pool = ThreadPoolExecutor(max_workers=len(procs))
+    try:
+        futures = [pool.submit(collect, proc, spec, timeout)
+                   for proc, (spec, _, _) in zip(procs, jobs)]
+        return [f.result() for f in futures]
+    finally:
+        for proc in procs:                      # first: the readers then see EOF
+            kill_group(proc)
+        pool.shutdown(wait=True)
 
 
 def fault_runs(spec: dict, faults: str, timeout: float = 240.0) -> tuple[dict, dict]:
