@@ -4,8 +4,8 @@ engine logs at startup with the plugin on (``KVGUARD=1``).
 
 One engine (ngram k = 3, prefix caching off: vLLM's CPU limit, a fixed pool and token
 budget) and the ``kvguard plan`` command with the same settings run side by side as two
-processes; the planner's ``--cudagraph-mode NONE --attention-backend CPU_ATTN`` is what
-vLLM runs on CPU. The GPU-shaped worked example
+processes; the planner's ``--device cpu --cudagraph-mode NONE`` is what vLLM runs on CPU
+(its block size, aligned with CPU_ATTN). The GPU-shaped worked example
 (256 sequences, k = 3: 129-256 uncovered) is unit_tests/test_preflight.py.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def engine_and_plan(tmp_path_factory):
          "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
          "--num-gpu-blocks", str(POOL), "--no-enable-prefix-caching",
          "--max-num-batched-tokens", str(BUDGET), "--speculative-config", spec,
-         "--cudagraph-mode", "NONE", "--attention-backend", "CPU_ATTN"],
+         "--cudagraph-mode", "NONE", "--device", "cpu"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:

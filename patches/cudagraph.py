@@ -1,5 +1,11 @@
 """Host surface: CUDA-graph capture sizing, dispatch and the padding target.
 
+Releases: 0.27.1 to 0.34.x. Model Runner V1 (its runner, ``CudagraphDispatcher`` and the
+``cudagraph_capturing_enabled`` capture lock) is gone from 0.34.0: every V1 target, change
+and private name is declared ``versions="<0.34"``, so there it is neither wrapped nor
+claimed, and the V2 capture lock is absent (vLLM 0.34 has no lock to switch). From 0.34
+capture completion writes decode request sizes (``decode_cudagraph_capture_request_sizes``).
+
 Targets (V2 ones are optional: skipped with a log line where absent)
     ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` (V1, and the CPU
     runner through ``super()``) and ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.
@@ -65,8 +71,13 @@ DISPATCH_METHODS = ((V1_DISPATCHER, "CudagraphDispatcher.dispatch"),
                     (V2_GRAPHS, "CudaGraphManager.dispatch"))
 
 # ----------------------------------------------------------------------------- changes
+#: vLLM releases with Model Runner V1 (removed in 0.34.0 with its dispatcher).
+V1_RELEASES = "<0.34"
+#: vLLM releases whose capture sizing is split into prefill tokens and decode requests.
+SPLIT_SIZING = ">=0.34"
+
 DISPATCH = InstanceAttr(
-    V1_DISPATCHER, "CudagraphDispatcher", "dispatch",
+    V1_DISPATCHER, "CudagraphDispatcher", "dispatch", versions=V1_RELEASES,
     why="V1 fallback accounting: a closure with the host's signature on an armed dispatcher "
         "calls the bound original and takes a slow path only when the intended graph missed")
 DESCRIPTOR = ModuleGlobal(
@@ -77,13 +88,22 @@ GATES = ContainerItem(
     V2_GRAPHS, "CudaGraphManager", "_candidates",
     why="V2 fallback accounting: a gate between the FULL decode and PIECEWISE descriptors "
         "of a candidate list sees a FULL -> PIECEWISE fall-through and never matches")
+#: KVGUARD_CUDAGRAPH_COMPLETE's writes, before graph keys are built: up to 0.33 the shared
+#: token sizes; from 0.34 the decode request sizes (the token fields are deprecated there
+#: and only record what vLLM's own sizing resolves from the request sizes).
 CAPTURE_SIZES = tuple(
     InstanceAttr("vllm.config.compilation", "CompilationConfig", name, overwrite=True,
+                 versions=versions,
                  why="KVGUARD_CUDAGRAPH_COMPLETE: the capture sizes extended to every "
                      "reachable uniform decode shape, before graph keys are built")
-    for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"))
+    for name, versions in (("cudagraph_capture_sizes", ""), ("max_cudagraph_capture_size", ""),
+                           ("decode_cudagraph_capture_request_sizes", SPLIT_SIZING),
+                           ("max_decode_cudagraph_capture_requests", SPLIT_SIZING)))
+#: vLLM 0.34.0 has no capture lock: ``vllm.compilation.monitor`` lost
+#: ``cudagraph_capturing_enabled`` with Model Runner V1 and ``CUDAGraphWrapper`` captures a
+#: new shape without any check, so there is nothing to switch off (declared absent there).
 CAPTURE_LOCK = ModuleGlobal(
-    "vllm.compilation.monitor", "cudagraph_capturing_enabled",
+    "vllm.compilation.monitor", "cudagraph_capturing_enabled", versions=V1_RELEASES,
     why="V2 capture lock: off after a non-profile capture_model (as V1 does), on around the "
         "next capture")
 PLATFORM = ModuleGlobal(
@@ -101,27 +121,40 @@ PLATFORM_BINDINGS = tuple(
     ModuleGlobal(m, "current_platform", required=False,
                  why="offline planner: this module's binding of the stand-in platform")
     for m in PLATFORM_IMPORTERS)
+#: ``vllm.config.vllm`` keeps the undetected platform (the CPU platform's own config checks
+#: there refuse a machine without triton-cpu), told only what every real platform says:
+#: the hybrid KV cache manager is supported (else a Mamba hybrid's specs cannot be grouped).
+CONFIG_PLATFORM = ModuleGlobal(
+    "vllm.config.vllm", "current_platform", required=False,
+    why="offline planner: the config's platform answers, as CUDA and CPU do, that the "
+        "hybrid KV cache manager is supported")
 #: What ``_determine_batch_execution_and_padding`` reads from the planner's stand-in runner.
 PLAN_RUNNER_ATTRS = ("vllm_config", "parallel_config", "compilation_config", "model_config",
                      "uniform_decode_query_len", "input_batch", "cudagraph_dispatcher")
 PLAN_RUNNER = tuple(
-    InstanceAttr(V1_RUNNER, "GPUModelRunner", name,
+    InstanceAttr(V1_RUNNER, "GPUModelRunner", name, versions=V1_RELEASES,
                  why="offline planner: the stand-in V1 runner (built without __init__, which "
                      "needs a GPU) that runs vLLM's own per-step dispatch")
     for name in PLAN_RUNNER_ATTRS)
 
 # ----------------------------------------------------------------------------- private names
 USES = (
-    Private(V1_RUNNER, "GPUModelRunner", ("_determine_batch_execution_and_padding",)),
+    Private(V1_RUNNER, "GPUModelRunner", ("_determine_batch_execution_and_padding",),
+            versions=V1_RELEASES),
     # frame locals the V1 slow path reads from that method (found by code object)
     Private(V1_RUNNER, "GPUModelRunner._determine_batch_execution_and_padding",
-            ("num_reqs", "max_num_scheduled_tokens", "num_tokens", "force_eager")),
+            ("num_reqs", "max_num_scheduled_tokens", "num_tokens", "force_eager"),
+            versions=V1_RELEASES),
     Private(V1_DISPATCHER, "CudagraphDispatcher", ("_get_lora_cases",), versions="<0.33"),
     Private(V2_GRAPHS, "CudaGraphManager",
             ("_candidates", "_capture_descs", "_graphs_captured", "_init_candidates")),
     Private(V2_GRAPHS, "CudaGraphManager",
             ("_build_lora_dispatch_map", "_lora_dispatch_map", "_max_lora_case"),
             versions="<0.33"),
+    # 0.34: uniform decode graphs indexed by request count, per (q, LoRA case, ubatches)
+    Private(V2_GRAPHS, "CudaGraphManager", ("_decode_descs",), versions=SPLIT_SIZING),
+    Private("vllm.config.vllm", "VllmConfig", ("_split_cudagraph_capture_sizes",),
+            versions=SPLIT_SIZING),
     Private(V2_GRAPHS, "CudaGraphManager", ("_max_full_descs_to_capture",
                                             "_capture_mem_samples"), versions=">=0.29"),
     # the gates rely on how _is_compatible compares a descriptor's fields (0.29+)
@@ -136,6 +169,10 @@ USES = (
     Private("vllm.config", "VllmConfig", ("_set_cudagraph_sizes",)),
     Private("vllm.config", "CompilationConfig", ("_attention_ops",)),
     Private("vllm.platforms", "", ("_current_platform",)),
+    # the planner's block size, as vLLM's platform picks and aligns it on a CUDA GPU
+    Private("vllm.platforms.interface", "Platform", ("_align_hybrid_block_size",)),
+    Private("vllm.platforms.interface", "Platform", ("_preferred_block_size_for_backends",),
+            versions=">=0.32"),
 )
 
 
@@ -248,8 +285,9 @@ PATCH = Patch(
     summary="CUDA-graph coverage audit, opt-in capture completion, padding-target checks, "
             "counted and warned eager/PIECEWISE fallbacks, V2 capture lock",
     targets=[
-        Target(V1_RUNNER, "GPUModelRunner.initialize_kv_cache", initialize_kv_cache),
-        Target(V1_RUNNER, "GPUModelRunner.capture_model", capture_model),
+        Target(V1_RUNNER, "GPUModelRunner.initialize_kv_cache", initialize_kv_cache,
+               versions=V1_RELEASES),
+        Target(V1_RUNNER, "GPUModelRunner.capture_model", capture_model, versions=V1_RELEASES),
         Target(V2_RUNNER, "GPUModelRunner.initialize_kv_cache", initialize_kv_cache,
                required=False),
         Target(V2_RUNNER, "GPUModelRunner.capture_model", capture_model, required=False),
@@ -259,14 +297,14 @@ PATCH = Patch(
         Target("vllm.v1.worker.gpu_worker", "Worker.sleep", worker_sleep, required=False),
         Target("vllm.v1.worker.gpu_worker", "Worker.wake_up", worker_wake_up, required=False),
     ],
-    vllm_versions=">=0.27.1,<0.34",
+    vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#27325", "vllm#50488", "vllm#54933", "vllm#57355", "vllm#37576",
               "vllm#51509", "vllm#52728"),
     remove_when="vLLM captures every reachable uniform decode shape by default, warns on and "
                 "exports eager/PIECEWISE fallbacks by reason, and model runner V2 disables "
                 "capture after capture_model",
     changes=(DISPATCH, DESCRIPTOR, GATES, CAPTURE_LOCK, *CAPTURE_SIZES, PLATFORM,
-             *PLATFORM_BINDINGS,
+             *PLATFORM_BINDINGS, CONFIG_PLATFORM,
              *PLAN_RUNNER),
     uses=USES,
     setup=install_fixes,

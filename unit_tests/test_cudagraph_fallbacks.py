@@ -21,7 +21,7 @@ from vllm_kvguard.fixes.cudagraph import fallbacks, graph_owners  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
 from vllm_kvguard.tools import plan as planning  # noqa: E402
 
-from vllm_kvguard.testing.cg_fixtures import NGRAM3, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
+from vllm_kvguard.testing.cg_fixtures import NGRAM3, RUNNERS, requires_v1, real_v2_manager, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
 
 
 
@@ -83,6 +83,7 @@ def armed_v1(vc, **kw):
 
 
 # ----------------------------------------------------------------------------- V1
+@requires_v1
 def test_v1_uniform_decode_over_max_is_counted_and_warned_once(fdo, kvguard_log):
     runner = armed_v1(fdo)
     assert step(runner, [4] * 100) == "FULL"                # 400 tokens: graphed
@@ -96,6 +97,7 @@ def test_v1_uniform_decode_over_max_is_counted_and_warned_once(fdo, kvguard_log)
     assert "max_cudagraph_capture_size" in lines[0]
 
 
+@requires_v1
 def test_v1_ragged_drafts_under_full_decode_only(fdo, kvguard_log):
     runner = armed_v1(fdo)
     for _ in range(3):
@@ -106,6 +108,7 @@ def test_v1_ragged_drafts_under_full_decode_only(fdo, kvguard_log):
     assert "FULL_AND_PIECEWISE" in lines[0]
 
 
+@requires_v1
 def test_v1_prefills_and_forced_eager_are_not_fallbacks(fdo, kvguard_log):
     runner = armed_v1(fdo)
     assert step(runner, [4] * 10 + [40]) == "NONE"          # a prefill chunk: eager by design
@@ -114,6 +117,7 @@ def test_v1_prefills_and_forced_eager_are_not_fallbacks(fdo, kvguard_log):
     assert counts() == {} and warnings(kvguard_log) == []
 
 
+@requires_v1
 def test_v1_full_and_piecewise_counts_ragged_as_piecewise(fap, kvguard_log):
     runner = armed_v1(fap)
     assert step(runner, [4] * 10 + [40]) == "PIECEWISE"     # mixed batch: PIECEWISE intended
@@ -123,6 +127,7 @@ def test_v1_full_and_piecewise_counts_ragged_as_piecewise(fap, kvguard_log):
     assert "ran PIECEWISE" in warnings(kvguard_log)[0]
 
 
+@requires_v1
 def test_v1_dp_sync_forced(fdo, mocker):
     import torch
     from vllm.v1.worker import gpu_model_runner
@@ -135,6 +140,7 @@ def test_v1_dp_sync_forced(fdo, mocker):
     assert counts() == {"dp_sync_forced": 1}
 
 
+@requires_v1
 def test_v1_lora_case_without_graph(kvguard_log):
     vc = plan(enable_lora=True, max_loras=2, max_lora_rank=8)
     runner = armed_v1(vc)
@@ -148,6 +154,7 @@ def test_v1_lora_case_without_graph(kvguard_log):
     assert counts() == {"lora": 1}
 
 
+@requires_v1
 def test_eager_owner_is_not_armed(fdo):
     vc = plan()
     none = type(vc.compilation_config.cudagraph_mode).NONE
@@ -158,6 +165,7 @@ def test_eager_owner_is_not_armed(fdo):
     assert counts() == {}
 
 
+@requires_v1
 def test_closure_has_the_host_signature_and_result(fdo):
     runner = armed_v1(fdo)
     disp = runner.cudagraph_dispatcher
@@ -166,6 +174,7 @@ def test_closure_has_the_host_signature_and_result(fdo):
         assert disp.dispatch(*args) == type(disp).dispatch(disp, *args)
 
 
+@requires_v1
 def test_internal_error_fails_open(fdo, mocker, kvguard_log):
     runner = armed_v1(fdo)
     mocker.patch.object(fallbacks, "uniform_reason", side_effect=RuntimeError("boom"))
@@ -175,6 +184,7 @@ def test_internal_error_fails_open(fdo, mocker, kvguard_log):
     assert step(runner, [4] * 130) == "NONE"
 
 
+@requires_v1
 def test_unknown_signature_is_not_armed(fdo, kvguard_log):
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
@@ -240,7 +250,8 @@ def test_v2_graphed_batches_go_through_untouched(fdo_v2):
     assert "dispatch" not in vars(m)
     kw = {"max_query_len": 4} if graph_owners.takes_max_query_len(type(m)) else {}
     desc = m.dispatch(100, 400, 4, 0, **kw)
-    assert any(desc is d for d in m._candidates[(400, 0)])
+    stored = m._candidates.get((400, 0), []) + getattr(m, "_decode_descs", {}).get((4, 0, 1), [])
+    assert any(desc is d for d in stored)                # 0.34: the request-indexed table
     assert isinstance(desc, cudagraph_utils.BatchExecutionDescriptor)   # a transparent stand-in
     acct().disarm_all()
     assert cudagraph_utils.BatchExecutionDescriptor is real_cls
@@ -301,6 +312,7 @@ def test_v2_dp_sync_forced(fdo_v2, mocker):
 
 
 # ----------------------------------------------------------------------------- suspend/resume
+@requires_v1
 def test_sleep_suspends_and_wake_resumes(fdo):
     runner = armed_v1(fdo)
     worker = SimpleNamespace(model_runner=runner)
@@ -313,6 +325,7 @@ def test_sleep_suspends_and_wake_resumes(fdo):
     assert counts() == {"over_max_capture_size": 1}
 
 
+@requires_v1
 def test_resume_releases_when_the_owner_was_rebuilt(fdo, kvguard_log):
     runner = armed_v1(fdo)
     old = runner.cudagraph_dispatcher
@@ -326,6 +339,7 @@ def test_resume_releases_when_the_owner_was_rebuilt(fdo, kvguard_log):
     assert acct().armed_owners() == [runner.cudagraph_dispatcher]
 
 
+@requires_v1
 def test_resume_after_a_failed_wake_up_releases(fdo):
     runner = armed_v1(fdo)
     worker = SimpleNamespace(model_runner=runner)
@@ -334,9 +348,33 @@ def test_resume_after_a_failed_wake_up_releases(fdo):
     assert acct().armed_owners() == [] and "dispatch" not in vars(runner.cudagraph_dispatcher)
 
 
+@requires_v1
 def test_profile_capture_does_not_arm(fdo):
     runner = v1_runner(fdo)
     hooks().kvguard_cudagraph_captured(runner=runner, profile_only=True)
     assert acct().armed_owners() == []
     hooks().kvguard_cudagraph_captured(runner=runner, profile_only=False)
     assert acct().armed_owners() == [runner.cudagraph_dispatcher]
+
+
+def test_v2_armed_by_capture_suspended_by_sleep(fdo_v2):
+    """Every pin's V2 path (the only one on 0.34): a non-profile capture arms the runner's
+    real CudaGraphManager; sleep stops counting, wake-up with the graphs intact resumes."""
+    owner = planning.plan_owner(fdo_v2, "v2")
+    m = owner.obj
+    m._graphs_captured = True
+    class Runner:                        # what the hooks read from a model runner
+        vllm_config, cudagraph_manager = fdo_v2, m
+
+    runner = Runner()
+    worker = SimpleNamespace(model_runner=runner)
+    hooks().kvguard_cudagraph_captured(runner=runner, profile_only=True)
+    assert acct().armed_owners() == []
+    hooks().kvguard_cudagraph_captured(runner=runner, profile_only=False)
+    assert acct().armed_owners() == [m]
+    assert v2(m, 130, 520, 4, 4) == "NONE"
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="suspend", error=None)
+    assert v2(m, 130, 520, 4, 4) == "NONE"                   # asleep: not counted
+    hooks().kvguard_cudagraph_reinit(worker=worker, phase="resume", error=None)
+    assert v2(m, 130, 520, 4, 4) == "NONE"
+    assert counts() == {"over_max_capture_size": 2}

@@ -15,9 +15,10 @@ pytest.importorskip("vllm")
 from vllm_kvguard import activation  # noqa: E402
 from vllm_kvguard.fixes.cudagraph import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph, distributed  # noqa: E402
-from vllm_kvguard.tools.plan import plan_config, plan_owner  # noqa: E402
+from vllm_kvguard.tools.plan import has_v1_runner, plan_config, plan_owner  # noqa: E402
+from vllm_kvguard.versions import vllm_version  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
-from vllm_kvguard.testing.cg_fixtures import (NGRAM3,  # noqa: E402,F401
+from vllm_kvguard.testing.cg_fixtures import (NGRAM3, requires_v1,  # noqa: E402,F401
                                               vllm_logging_configured)  # fixture: autouse
 
 
@@ -30,6 +31,8 @@ def test_required_targets_and_dispatch_methods_exist():
     for module, qualname in cudagraph.DISPATCH_METHODS:
         if module.startswith("vllm.v1.worker.gpu."):
             continue                              # V2: optional, like its targets
+        if module == cudagraph.V1_DISPATCHER and not has_v1_runner():
+            continue                              # V1: declared gone from 0.34.0
         assert resolve(module, qualname) is not None, qualname
 
 
@@ -44,7 +47,11 @@ def test_apply_and_revert():
     res = activate()
     assert res["cudagraph"].startswith("applied")
     wrapped = activation.wrapped_targets()
-    assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache" in wrapped
+    runner_module = cudagraph.V1_RUNNER if has_v1_runner() else cudagraph.V2_RUNNER
+    assert f"{runner_module}.GPUModelRunner.initialize_kv_cache" in wrapped
+    gone = cudagraph.PATCH.absent_by_declaration()
+    assert not set(gone) & set(wrapped)           # nothing claimed for a missing target
+    assert bool(gone) == (not has_v1_runner())
     assert "vllm.v1.core.block_pool.BlockPool.__init__" in wrapped
     activation.deactivate()
     assert activation.wrapped_targets() == []
@@ -62,6 +69,15 @@ def test_single_rank_dispatch_path_carries_no_wrapper():
 
 
 def v1_runner(vc):
+    """The installed vLLM's model runner built without ``__init__`` (a GPU): V1 where it
+    exists (its name kept for the tests that are V1's), else V2 with what the hooks read."""
+    if not has_v1_runner():
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+        runner = GPUModelRunner.__new__(GPUModelRunner)
+        runner.__dict__.update(vllm_config=vc, cudagraph_manager=None, decode_query_len=4,
+                               lora_capture_cases=[0], adaptive_verification=None)
+        return runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner = GPUModelRunner.__new__(GPUModelRunner)
@@ -79,7 +95,9 @@ def test_kv_init_wrapper_completes_before_and_audits_after(kvguard_log):
     def host_initialize_kv_cache(kv_cache_config, is_profiling=False):
         # What vLLM does inside: attention builders and graph keys read the sizes now.
         seen["max"] = vc.compilation_config.max_cudagraph_capture_size
-        runner.cudagraph_dispatcher = plan_owner(vc).obj
+        owner = plan_owner(vc)
+        setattr(runner, "cudagraph_dispatcher" if owner.kind == "V1" else "cudagraph_manager",
+                owner.obj)
 
     cudagraph.initialize_kv_cache(host_initialize_kv_cache, runner, (None,), {})
     assert seen["max"] == 1024                      # completed before the host call
@@ -106,8 +124,22 @@ def v2_runner():
     return runner
 
 
+def test_v2_capture_without_a_lock_on_this_vllm():
+    """vLLM 0.34 has no capture lock: the patch declares it absent and touches nothing."""
+    from vllm.compilation import monitor
+
+    if cudagraph.CAPTURE_LOCK.exists_in(vllm_version()):
+        pytest.skip("this vLLM has the capture lock (tested below)")
+    activate()
+    assert cudagraph.capture_model(lambda *, profile_only=False: 7, v2_runner(), (), {}) == 7
+    assert not hasattr(monitor, "cudagraph_capturing_enabled")
+
+
 def test_v2_capture_is_locked_after_a_real_capture():
     from vllm.compilation import monitor
+
+    if not cudagraph.CAPTURE_LOCK.exists_in(vllm_version()):
+        pytest.skip("vLLM 0.34 has no capture lock (declared absent)")
 
     activate()
     runner = v2_runner()
@@ -131,6 +163,7 @@ def test_v2_capture_is_locked_after_a_real_capture():
         monitor.set_cudagraph_capturing_enabled(True)
 
 
+@requires_v1
 def test_v1_capture_lock_is_vllms_own():
     from vllm.compilation import monitor
 
@@ -205,6 +238,7 @@ def test_missing_optional_target_is_skipped_with_a_note(monkeypatch):
     assert res.startswith("applied") and "sync_cudagraph_and_dp_padding absent" in res
 
 
+@requires_v1
 def test_missing_required_target_skips_the_patch(monkeypatch, kvguard_log):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

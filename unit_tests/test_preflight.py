@@ -41,8 +41,9 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     from vllm_kvguard.tools.tiny_models import write_model
 
     model = write_model(kind, tmp_path / kind)
-    r = preflight.plan(model, max_num_seqs=256, max_model_len=2048, num_gpu_blocks=4096,
-                       speculative_config=NGRAM3)
+    # the config's own block size (device cpu), aligned as on a GPU (FLASH_ATTN)
+    r = preflight.plan(model, device="cpu", attention_backend="FLASH_ATTN", max_num_seqs=256,
+                       max_model_len=2048, num_gpu_blocks=4096, speculative_config=NGRAM3)
     # the engine's own objects, built independently of the planner's KV path
     vc = plan_config(model, max_num_seqs=256, max_model_len=2048,
                      speculative_config=dict(NGRAM3))
@@ -77,7 +78,11 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     row = next(c for c in r["coverage"] if c["drafts"] == 3 and not c["zero_draft"])
     assert row["requests"] == [1, 256] and row["covered"] == 128
     assert row["first_uncovered"] == 129
-    assert row["fix_setting"] == {"max_cudagraph_capture_size": 1024}
+    # the setting in the installed vLLM's own terms: decode request sizes from 0.34
+    split = "decode_cudagraph_capture_request_sizes" in type(
+        vc.compilation_config).__dataclass_fields__
+    assert row["fix_setting"] == ({"max_decode_cudagraph_capture_requests": 256} if split
+                                  else {"max_cudagraph_capture_size": 1024})
     assert r["verdict"] == "ACTION NEEDED"
     json.dumps(r)                                # --json writes it
 
@@ -148,3 +153,87 @@ def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
     v1 = warmup_check.feasibility(vc, kvc, "v1")
     assert warmup_check.problem(v1) is None and "no warmup shape is skipped" in \
         warmup_check.format_lines(v1)[0]
+
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0, "vocab_size": 128256, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def test_plan_sizes_the_gpu_it_names(tmp_path, capsys):
+    """Issue 37: Llama-3.1-8B-Instruct's config, 20000 blocks, 256 sequences, sized as on a
+    CUDA GPU from this CPU machine: max_model_len from the config (131072) and the block size
+    the installed vLLM's own CUDA code picks for FlashAttention (16 up to 0.33: 8,192 blocks
+    per request, 2.44 full-length requests; 64 from 0.34, which raised its default: 2,048
+    and 9.77); ``--block-size 16`` gives 2.44 on every release. vLLM's CUDA default token
+    budget for ``vllm serve``; vLLM's log lines stay off stdout; columns explained once."""
+    pytest.importorskip("vllm")
+    from packaging.version import Version
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.versions import vllm_version
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    expected = 64 if vllm_version() >= Version("0.34") else 16
+    picked = preflight.plan(str(tmp_path), num_gpu_blocks=20000, max_num_seqs=256)
+    group = picked["groups"][0]
+    assert picked["max_model_len"] == 131072 and group["block_size"] == expected
+    assert group["blocks_per_request_plain"] == 131072 // expected      # 8192 / 2048
+    assert picked["true_concurrency"] == pytest.approx(19999 / (131072 // expected), abs=5e-3)
+    assert picked["max_num_batched_tokens"] == 2048       # vLLM's serve default, GPU unknown
+    pick = getattr(Platform, "_preferred_block_size_for_backends", None)     # vLLM's own path
+    if pick is not None:
+        vc = plan_config(str(tmp_path), max_num_seqs=256)
+        fa = AttentionBackendEnum["FLASH_ATTN"].get_class()
+        assert pick([fa], CacheConfig.DEFAULT_BLOCK_SIZE, vc) == expected
+    # 16-token blocks asked for: the issue's figures on every release
+    assert preflight.main(["--model", str(tmp_path), "--num-gpu-blocks", "20000",
+                           "--max-num-seqs", "256", "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "max_model_len=131072" in out and "block_size=16" in out
+    assert "plain=8192" in out and "2.44x" in out
+    assert " INFO " not in out and " WARNING " not in out        # vLLM's logs: stderr
+    assert out.count("columns: drafts =") == 1 and "verdict: OK" in out
+    assert "uncovered 1-" not in out
+
+
+def test_plan_uses_vllms_cuda_token_budget():
+    """Without --max-num-batched-tokens, the budget vLLM's own batch defaults give on a CUDA
+    GPU for the usage: serve 2048 / LLM 8192 on a small or unknown GPU, serve 8192 on an
+    80 GiB one (vLLM's H100 tier), never more than max_num_seqs x max_model_len."""
+    pytest.importorskip("vllm")
+    budget = preflight.cuda_token_budget
+    assert (budget("serve", None, 256, None), budget("llm", None, 256, None)) == (2048, 8192)
+    assert (budget("serve", 80, 256, None), budget("llm", 80, 256, None)) == (8192, 16384)
+    assert budget("llm", None, 2, 1024) == 2048
+    import vllm.engine.arg_utils as arg_utils
+
+    assert not isinstance(arg_utils.current_platform, preflight._CudaGpu)    # restored
+
+
+def test_plan_names_the_decode_request_sizes_that_cover_a_gap(tmp_path, capsys):
+    """Issue 35: ngram k=3, 256 sequences: decode graphs reach 128 requests, 129-256 run
+    eager; the plan names them and the setting that covers them in the installed vLLM's
+    own terms (0.34: decode request sizes, not the deprecated token fields)."""
+    pytest.importorskip("vllm")
+    from vllm.config import CompilationConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert preflight.main(["--model", str(tmp_path), "--num-gpu-blocks", "20000",
+                           "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+                           "--speculative-config", spec]) == 1
+    out = capsys.readouterr().out
+    assert "uncovered 129-256" in out and "verdict: ACTION NEEDED" in out
+    if "decode_cudagraph_capture_request_sizes" in CompilationConfig.__dataclass_fields__:
+        assert "max_decode_cudagraph_capture_requests=256" in out
+    else:
+        assert "max_cudagraph_capture_size=1024" in out

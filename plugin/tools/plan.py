@@ -10,6 +10,7 @@ built with vLLM's CPU platform, swapped in through the cudagraph patch's declare
 """
 from __future__ import annotations
 
+import inspect
 import sys
 
 from vllm_kvguard.fixes.cudagraph.coverage import format_table
@@ -21,7 +22,7 @@ _TINY: dict[str, str] = {}        # one tiny model config per process
 
 
 def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_ONLY",
-                runner: str = "v1", min_cg_support: str = "ALWAYS", **engine_kwargs):
+                runner: str | None = None, min_cg_support: str = "ALWAYS", **engine_kwargs):
     """A real ``VllmConfig`` sized as vLLM sizes it on a (non-Blackwell) CUDA GPU, built on
     any machine: ``EngineArgs(...).create_engine_config()``, then the CUDA-graph sizing the
     CPU platform skips (vLLM's own ``_set_cudagraph_sizes`` and, as the runner does,
@@ -32,19 +33,24 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
 
     from vllm_kvguard.tools.tiny_models import write_model
 
+    runner = runner or default_runner()
+    if runner == "v1" and not has_v1_runner():
+        raise ValueError("model runner V1 is gone from this vLLM (removed in 0.34.0); "
+                         "plan for --runner v2")
     user_cc = dict(engine_kwargs.pop("compilation_config", None) or {})
-    if model is None:
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    if model is None:                    # the tiny model: a short context is enough
         model = _TINY.get("llama") or _TINY.setdefault("llama", write_model("llama"))
-    kw = dict(model=model, load_format="dummy",
-              skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048)
-    kw.update(engine_kwargs)
+        kw["max_model_len"] = 2048
+    kw.update(engine_kwargs, model=model)
     with _some_platform():
         vc = EngineArgs(**kw).create_engine_config()
     cc = vc.compilation_config
     mode = getattr(modes(), cudagraph_mode)
     cc.cudagraph_mode = mode
-    cc.cudagraph_capture_sizes = user_cc.get("cudagraph_capture_sizes")
-    cc.max_cudagraph_capture_size = user_cc.get("max_cudagraph_capture_size")
+    for name in SIZE_FIELDS:             # the user's own, as before vLLM resolved them
+        if hasattr(cc, name):
+            setattr(cc, name, user_cc.get(name))
     if "cudagraph_specialize_lora" in user_cc:
         cc.cudagraph_specialize_lora = user_cc["cudagraph_specialize_lora"]
     if mode.requires_piecewise_compilation():
@@ -55,10 +61,32 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
     type(vc)._set_cudagraph_sizes(vc)
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    cc.resolve_cudagraph_mode_and_sizes(getattr(AttentionCGSupport, min_cg_support),
-                                        "FLASH_ATTN", 1 + num_spec(vc),
-                                        use_v2_model_runner=(runner == "v2"))
+    resolve = cc.resolve_cudagraph_mode_and_sizes
+    extra = {}
+    if "use_v2_model_runner" in inspect.signature(resolve).parameters:   # up to 0.33
+        extra["use_v2_model_runner"] = runner == "v2"
+    resolve(getattr(AttentionCGSupport, min_cg_support), "FLASH_ATTN", 1 + num_spec(vc),
+            **extra)
     return vc
+
+
+#: ``CompilationConfig`` capture-size fields a user may set (the split ones from 0.34).
+SIZE_FIELDS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size",
+               "prefill_cudagraph_capture_token_sizes", "max_prefill_cudagraph_capture_tokens",
+               "decode_cudagraph_capture_request_sizes",
+               "max_decode_cudagraph_capture_requests", "max_decode_cudagraph_capture_tokens")
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM still has model runner V1 (removed in 0.34.0)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+def default_runner() -> str:
+    """``v1`` where vLLM still has it (the planner's historical default), else ``v2``."""
+    return "v1" if has_v1_runner() else "v2"
 
 
 class _some_platform:
@@ -70,7 +98,8 @@ class _some_platform:
     def __enter__(self):
         import vllm.platforms as platforms
 
-        from vllm_kvguard.patches.cudagraph import PLATFORM, PLATFORM_BINDINGS
+        from vllm_kvguard.patches.cudagraph import (CONFIG_PLATFORM, PLATFORM,
+                                                    PLATFORM_BINDINGS)
 
         self.swapped = []
         if getattr(platforms.current_platform, "device_type", "cpu"):
@@ -78,6 +107,11 @@ class _some_platform:
         from vllm.platforms.cpu import CpuPlatform
 
         old, stand_in = platforms.current_platform, CpuPlatform()
+        config_mod = sys.modules.get(CONFIG_PLATFORM.module)
+        if getattr(config_mod, CONFIG_PLATFORM.attr, None) is old and CONFIG_PLATFORM.replace(
+                type("PlanConfigPlatform", (type(old),),
+                     {"support_hybrid_kv_cache": classmethod(lambda cls: True)})()):
+            self.swapped.append(CONFIG_PLATFORM)
         for decl in PLATFORM_BINDINGS:      # before _current_platform: reads go through it
             mod = sys.modules.get(decl.module)
             if mod is not None and getattr(mod, decl.attr, None) is old and \
@@ -93,8 +127,10 @@ class _some_platform:
         return False
 
 
-def plan_owner(vllm_config, runner: str = "v1") -> GraphOwner:
-    """The runner's graph owner for a :func:`plan_config` config (keys built, no capture)."""
+def plan_owner(vllm_config, runner: str | None = None) -> GraphOwner:
+    """The runner's graph owner for a :func:`plan_config` config (keys built, no capture);
+    ``runner`` None: :func:`default_runner`."""
+    runner = runner or default_runner()
     mode = vllm_config.compilation_config.cudagraph_mode
     q = 1 + num_spec(vllm_config)
     if runner == "v2":
@@ -134,7 +170,8 @@ def plan_v1_runner(vllm_config, dp_size: int = 1):
 class PlanRunner:
     """Just enough of a model runner for :func:`~vllm_kvguard.fixes.cudagraph.planner.complete`."""
 
-    def __init__(self, vllm_config, runner: str):
+    def __init__(self, vllm_config, runner: str | None = None):
+        runner = runner or default_runner()
         self.vllm_config = vllm_config
         self.decode_query_len = 1 + num_spec(vllm_config)
         self.lora_capture_cases = None
@@ -152,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_kvguard.tools.plan",
                                 description=main.__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model dir (default: a tiny Llama config)")
-    p.add_argument("--runner", choices=("v1", "v2"), default="v1")
+    p.add_argument("--runner", choices=("v1", "v2"), default=None,
+                   help="model runner (default: v1 where vLLM has it, v2 from 0.34)")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                    choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"))
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -169,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.spec_method == "ngram":
             spec["prompt_lookup_max"] = 3
         kw["speculative_config"] = spec
+    a.runner = a.runner or default_runner()
     vc = plan_config(a.model, cudagraph_mode=a.cudagraph_mode, runner=a.runner, **kw)
     owner = plan_owner(vc, a.runner)
     print(format_table(audit(owner)))

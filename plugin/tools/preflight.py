@@ -17,6 +17,9 @@
   (:mod:`vllm_kvguard.tools.warmup_check`);
 * one verdict line. ``--json PATH`` (``-`` for stdout) writes the same as JSON.
 
+Sized for ``--device`` (default cuda) as the installed vLLM would size it there, from its
+own code: FlashAttention's block size, ``max_model_len`` from the config, and the default
+token budget for ``--usage`` (``vllm serve`` or the ``LLM`` class) on that GPU tier.
 vLLM's own log lines go to stderr. KV specs are derived from the config as vLLM's layers
 derive them: full attention (or sliding window where the model has one) and Mamba layers.
 """
@@ -162,24 +165,122 @@ def align_block_size(vllm_config, attention_backend: str) -> None:
     Platform._align_hybrid_block_size(vllm_config, backend)
 
 
+def attention_block_size(vllm_config, device: str, block_size: int | None) -> str:
+    """Set the attention block size vLLM would pick on ``device`` (before any hybrid
+    alignment) and return the attention backend to align with. ``cuda``: FlashAttention's
+    preferred size from ``CacheConfig.DEFAULT_BLOCK_SIZE``, vLLM's own CUDA platform path
+    (``Platform.update_block_size_for_backend``); ``cpu``: the CPU platform's choice, as
+    the config was built. ``block_size``: the user's ``--block-size``, kept as vLLM keeps it."""
+    cc = vllm_config.cache_config
+    backend = "FLASH_ATTN" if device == "cuda" else "CPU_ATTN"
+    if block_size is not None:
+        cc.block_size = block_size
+        if hasattr(cc, "user_specified_block_size"):
+            cc.user_specified_block_size = True
+        return backend
+    if device == "cuda":
+        cc.block_size = cuda_block_size(vllm_config)
+    return backend
+
+
+def cuda_block_size(vllm_config) -> int:
+    """FlashAttention's block size on a CUDA GPU, by the installed vLLM's own platform code
+    (``Platform.update_block_size_for_backend``'s first phase: 16 up to 0.33; 0.34 raised
+    ``CacheConfig.DEFAULT_BLOCK_SIZE`` to 64)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    default = int(CacheConfig.DEFAULT_BLOCK_SIZE)
+    try:
+        cls = AttentionBackendEnum["FLASH_ATTN"].get_class()
+    except ImportError:              # no FlashAttention class here: vLLM's default
+        return default
+    pick = getattr(Platform, "_preferred_block_size_for_backends", None)     # 0.32+
+    if pick is not None:
+        return int(pick([cls], default, vllm_config))
+    with set_current_vllm_config(vllm_config):                               # 0.27.1
+        return int(cls.get_preferred_block_size(default))
+
+
+class _CudaGpu:
+    """What ``EngineArgs.get_batch_defaults`` asks of a CUDA platform: the device's memory
+    (``--gpu-memory-gib``; unknown raises, and vLLM falls back as when it cannot query)."""
+
+    def __init__(self, gib: float | None):
+        self.gib = gib
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        if self.gib is None:
+            raise RuntimeError("GPU memory not given")
+        return int(self.gib * 2**30)
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return "cuda"
+
+    def is_device_capability(self, *_a, **_k) -> bool:
+        return False
+
+    def is_tpu(self) -> bool:
+        return False
+
+    def is_cpu(self) -> bool:
+        return False
+
+
+USAGE = {"serve": "OPENAI_API_SERVER", "llm": "LLM_CLASS"}
+USAGE_TEXT = {"serve": "vllm serve", "llm": "the LLM class"}
+
+
+def cuda_token_budget(usage: str, gpu_memory_gib: float | None, max_num_seqs: int,
+                      max_model_len: int | None) -> int:
+    """vLLM's default ``max_num_batched_tokens`` on a CUDA GPU for ``usage`` (``serve``:
+    ``vllm serve``; ``llm``: the ``LLM`` class), by the installed vLLM's own
+    ``EngineArgs.get_batch_defaults`` asked on a stand-in GPU, capped as vLLM caps it."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_kvguard.patches.cudagraph import PLATFORM_BINDINGS
+
+    binding = next(d for d in PLATFORM_BINDINGS if d.module == "vllm.engine.arg_utils")
+    if not binding.replace(_CudaGpu(gpu_memory_gib)):
+        raise PlanError("this vLLM's EngineArgs reads no platform; give "
+                        "--max-num-batched-tokens")
+    try:
+        defaults, _ = EngineArgs.get_batch_defaults(1)
+    finally:
+        binding.restore()
+    tokens = defaults.get(UsageContext[USAGE[usage]],
+                          SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return min(tokens, max_num_seqs * max_model_len) if max_model_len else tokens
+
+
 # ------------------------------------------------------------------------------- plan
 def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = None,
          max_num_batched_tokens: int | None = None, speculative_config: dict | None = None,
          compilation_config: dict | None = None, num_gpu_blocks: int | None = None,
          gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
-         weights_gib: float = 0.0, runner: str = "v1",
+         weights_gib: float = 0.0, runner: str | None = None, device: str = "cuda",
+         block_size: int | None = None, usage: str = "serve",
          cudagraph_mode: str = "FULL_AND_PIECEWISE",
          enable_prefix_caching: bool | None = None,
-         attention_backend: str = "FLASH_ATTN") -> dict:
+         attention_backend: str | None = None) -> dict:
     from vllm_kvguard.fixes.estimation import admission, capacity
     from vllm_kvguard.fixes.cudagraph.coverage import format_table
     from vllm_kvguard.fixes.cudagraph.planner import audit
     from vllm_kvguard.tools import warmup_check
-    from vllm_kvguard.tools.plan import plan_config, plan_owner
+    from vllm_kvguard.tools.plan import default_runner, plan_config, plan_owner
+
+    runner = runner or default_runner()
 
     kw: dict = dict(max_num_seqs=max_num_seqs)
     if max_model_len:
         kw["max_model_len"] = max_model_len
+    if not max_num_batched_tokens and device == "cuda":
+        max_num_batched_tokens = cuda_token_budget(usage, gpu_memory_gib, max_num_seqs,
+                                                   max_model_len)
     if max_num_batched_tokens:
         kw["max_num_batched_tokens"] = max_num_batched_tokens
     if enable_prefix_caching is not None:
@@ -202,7 +303,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         if kv_bytes <= 0:
             raise PlanError("--gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
                             "leaves no KV cache memory")
-    align_block_size(vc, attention_backend)
+    backend = attention_block_size(vc, device, block_size)
+    align_block_size(vc, attention_backend or backend)
     kvc = kv_cache_config(vc, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
     cap = capacity.compute(vc, kvc)
     cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
@@ -210,6 +312,9 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     cert = admission.from_configs(vc, kvc)
     largest = cert.largest
     problems = [w.rstrip(".") for w in cap.warnings]
+    if cap.vllm_concurrency is not None and \
+            round(cap.vllm_concurrency, 2) == round(cap.true_concurrency, 2):
+        problems = [p for p in problems if "concurrency" not in p]   # same figure twice
     if cert.max_total < cert.max_model_len:
         group, blocks = cert.bounding_group(cert.max_model_len)
         problems.append(f"a max_model_len request can never fit: at {cert.max_model_len} "
@@ -220,11 +325,19 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     for r in gaps:
         problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
                         f"{r.gap_mode}; fix: {r.fix}")
-    warmup = warmup_check.feasibility(vc, kvc, runner)
-    problems += [p for p in [warmup_check.problem(warmup)] if p]
+    try:
+        warmup = warmup_check.feasibility(vc, kvc, runner)
+        problems += [p for p in [warmup_check.problem(warmup)] if p]
+        warmup_lines = warmup_check.format_lines(warmup)
+    except Exception as exc:        # this vLLM's warmup is not modelled: say so, go on
+        warmup = None
+        warmup_lines = [f"warmup feasibility: not checked on this vLLM "
+                        f"({type(exc).__name__}: {exc})"]
     verdict = "OK" if not problems else "ACTION NEEDED"
     return {
         "model": model, "architecture": list(vc.model_config.architectures),
+        "device": device, "usage": usage,
+        "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
         "max_num_seqs": cap.max_num_seqs, "max_model_len": cap.max_model_len,
         "num_speculative_tokens": cap.num_spec_tokens, "lookahead": cap.lookahead,
         "num_blocks": cap.num_blocks, "usable_blocks": cap.usable,
@@ -245,14 +358,16 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
                           fix=r.fix or None, fix_setting=r.fix_setting or None)
                      for r in cov.rows],
         "coverage_table": format_table(cov),
-        "warmup": warmup, "warmup_lines": warmup_check.format_lines(warmup),
+        "warmup": warmup, "warmup_lines": warmup_lines,
         "problems": problems, "verdict": verdict,
     }
 
 
 def format_plan(result: dict) -> str:
-    out = [*result["capacity_lines"], "", result["coverage_table"], "",
-           *result["warmup_lines"], ""]
+    out = [f"planned for: --device {result['device']} ({USAGE_TEXT[result['usage']]}), "
+           f"max_num_seqs={result['max_num_seqs']}, max_num_batched_tokens="
+           f"{result['max_num_batched_tokens']}", *result["capacity_lines"], "",
+           result["coverage_table"], "", *result["warmup_lines"], ""]
     out.append(f"verdict: {result['verdict']}" + (
         "" if not result["problems"] else " - " + "; ".join(result["problems"])))
     return "\n".join(out)
@@ -281,17 +396,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--weights-gib", type=float, default=0.0,
                    help="with --gpu-memory-gib: memory not for KV (weights, activations)")
-    p.add_argument("--runner", choices=("v1", "v2"), default="v1")
+    p.add_argument("--runner", choices=("v1", "v2"), default=None,
+                   help="model runner (default: v1 where vLLM has it; v2 from vLLM 0.34)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="size as vLLM would on this device (default cuda: FlashAttention's "
+                        "block size; cpu: vLLM-CPU's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens, as vLLM's --block-size (default: vLLM's "
+                        "choice on --device)")
+    p.add_argument("--usage", choices=tuple(USAGE), default="serve",
+                   help="how vLLM is started, for its default --max-num-batched-tokens on "
+                        "CUDA: serve = vllm serve (default), llm = the LLM class; the GPU "
+                        "tier comes from --gpu-memory-gib (unknown: vLLM's fallback)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="as vLLM's flag (default: vLLM's choice)")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                    choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL",
                             "NONE"), help="NONE: what an eager engine (and vLLM on CPU) "
                                           "runs; default FULL_AND_PIECEWISE")
-    p.add_argument("--attention-backend", default="FLASH_ATTN", metavar="NAME",
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="the attention backend whose kernel block sizes a hybrid model's "
-                        "block size aligns to (default FLASH_ATTN, as on a CUDA GPU; "
-                        "CPU_ATTN for vLLM on CPU)")
+                        "block size aligns to (default: FLASH_ATTN with --device cuda, "
+                        "CPU_ATTN with --device cpu)")
     p.add_argument("--json", metavar="PATH", default=None, help="write JSON here (- = stdout)")
     return p
 
@@ -305,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         model = _model_dir(a.model)
         spec = _json_arg("--speculative-config", a.speculative_config)
         comp = _json_arg("--compilation-config", a.compilation_config)
-        for name in ("max_num_seqs", "max_model_len", "num_gpu_blocks"):
+        for name in ("max_num_seqs", "max_model_len", "num_gpu_blocks", "block_size"):
             v = getattr(a, name)
             if v is not None and v <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
@@ -319,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                           speculative_config=spec, compilation_config=comp,
                           num_gpu_blocks=a.num_gpu_blocks, gpu_memory_gib=a.gpu_memory_gib,
                           gpu_memory_utilization=a.gpu_memory_utilization,
-                          weights_gib=a.weights_gib, runner=a.runner,
+                          weights_gib=a.weights_gib, runner=a.runner, device=a.device,
+                          block_size=a.block_size, usage=a.usage,
                           cudagraph_mode=a.cudagraph_mode,
                           enable_prefix_caching=a.enable_prefix_caching,
                           attention_backend=a.attention_backend)

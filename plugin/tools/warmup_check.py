@@ -35,7 +35,12 @@ def plan_runner(vllm_config, kv_cache_config):
         is_encoder_decoder=False, model_state=SimpleNamespace(max_encoder_len=0),
         block_tables=None, kv_block_zeroer=None,
         kv_connector=SimpleNamespace(set_disabled=lambda _d: None),
-        is_last_pp_rank=True, adaptive_verification=None, rejection_sampler=None)
+        is_last_pp_rank=True, adaptive_verification=None, rejection_sampler=None,
+        # read from vLLM 0.34: the token budget and draft slots (``_cap_num_warmup_reqs``),
+        # no extensible cache (``num_committable_kv_blocks`` = the pool), no drafter state
+        speculative_config=vllm_config.speculative_config,
+        max_num_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
+        extensible_kv_cache=None, speculator=None)
 
 
 class _Recorder:

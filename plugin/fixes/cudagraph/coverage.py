@@ -147,6 +147,7 @@ class Coverage:
     kv_decodes: int | None
     graphs: int
     rows: list[FamilyCoverage]
+    decode_requests: list[int] | None = None   # 0.34+: decode graph sizes, in requests
 
     @property
     def ok(self) -> bool:
@@ -199,7 +200,8 @@ def audit(owner: GraphOwner, kv_decodes: int | None = None) -> Coverage:
     rows = cover(owner, families)
     cov = Coverage(owner.kind, owner.mode.name, sorted(cc.cudagraph_capture_sizes or []),
                    owner.max_capture_size, int(vc.scheduler_config.max_num_seqs),
-                   token_budget(vc), kv_decodes, owner.num_graphs(), rows)
+                   token_budget(vc), kv_decodes, owner.num_graphs(), rows,
+                   getattr(cc, "decode_cudagraph_capture_request_sizes", None))
     return cov
 
 
@@ -221,6 +223,10 @@ def format_table(cov: Coverage, title: str = "vllm-kvguard CUDA-graph coverage")
     kv = "unknown" if cov.kv_decodes is None else str(cov.kv_decodes)
     sizes = cov.capture_sizes
     size_txt = f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "none"
+    if cov.decode_requests is not None:      # 0.34+: decode graphs are sized in requests
+        reqs = sorted(cov.decode_requests)
+        size_txt = (f"decode {reqs[0]}..{reqs[-1]} requests ({len(reqs)} sizes)" if reqs
+                    else "decode none") + f", tokens {size_txt}"
     lines = [f"{title} (model runner {cov.kind}, cudagraph_mode={cov.mode}, capture sizes "
              f"{size_txt}, max_num_seqs={cov.max_num_seqs}, token budget={cov.budget}, "
              f"KV holds {kv} decoding sequences, {cov.graphs} graphs):"]
@@ -240,12 +246,28 @@ def format_table(cov: Coverage, title: str = "vllm-kvguard CUDA-graph coverage")
         lines.append(f"  {name:>6} {f.q:>3} {f.lora:>4} {reqs:>10} {r.covered:>4}/{r.total:<4}  "
                      f"{first:<24} {mapping}")
         if not r.ok:
+            label = ("not graphed (informational) " if f.no_draft else "uncovered ") + \
+                r.uncovered_ranges()
             lines.append(f"  {'':>6} {'':>3} {'':>4} {'':>10} {'':>9}  "
-                         f"{'uncovered ' + r.uncovered_ranges():<24} fix: {r.fix} "
+                         f"{label:<24} fix: {r.fix} "
                          f"[{r.reason}; requests bounded by {f.limit}]")
+    lines += LEGEND
     if any(r.family.no_draft for r in cov.rows):
-        lines.append("  * zero-draft steps (the proposer missed for every request)")
+        lines.append("  drafts with *: zero-draft steps (the proposer found nothing for any "
+                     "request); shown for information, not a problem")
     return "\n".join(lines)
+
+
+#: What each column of :func:`format_table` means, printed once below it.
+LEGEND = [
+    "  columns: drafts = draft tokens per request in the step; q = tokens per request "
+    "(1 + drafts);",
+    "    lora = active LoRA adapters; requests = the batch sizes the engine can reach;",
+    "    covered = how many of those batch sizes have their intended graph;",
+    "    first uncovered = the smallest batch without it (requests, tokens, the mode it "
+    "runs: NONE = eager);",
+    "    mapping = batch sizes -> mode, with pad a..b = the graph sizes (tokens) they are "
+    "padded up to."]
 
 
 

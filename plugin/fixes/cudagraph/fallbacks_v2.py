@@ -8,7 +8,8 @@ cost. A graphed batch returns a stored descriptor untouched. Two places see the 
   that reads the arguments from ``dispatch``'s frame (found up the stack by code object).
 * A batch that falls from FULL to PIECEWISE passes a :class:`Gate` placed in its candidate
   list between the FULL decode descriptors and the PIECEWISE ones (0.29+, where
-  ``_is_compatible`` compares ``max_query_len``).
+  ``_is_compatible`` compares ``max_query_len``; 0.34 keeps decode graphs in separate
+  request-indexed tables, so the gate leads the token-keyed list).
 
 Data parallel: ``dp_utils.sync_cudagraph_and_dp_padding`` (called only when
 ``dp_size > 1``) compares this rank's wish with the agreed mode (:func:`after_dp_sync`).
@@ -145,11 +146,15 @@ def place_gates(accounting, rec, owner) -> list:
     placed = []
     if rec.tail == 0:          # 0.27.1: _is_compatible has no max_query_len to read
         return placed
+    # 0.34: FULL decode graphs sit in their own request-indexed tables (``_decode_descs``)
+    # and dispatch tries the batch's entry before the token-keyed list, so the list's
+    # first PIECEWISE descriptor is the fall-through point itself.
+    decode_tables = bool(getattr(owner, "_decode_descs", None))
     for key, candidates in list(owner._candidates.items()):
         idx = next((i for i, d in enumerate(candidates) if d.cg_mode == piecewise), None)
-        if idx is None or not any(
+        if idx is None or not (decode_tables or any(
                 getattr(d, "uniform_token_count", None) is not None
-                or getattr(d, "max_query_len", None) is not None for d in candidates[:idx]):
+                or getattr(d, "max_query_len", None) is not None for d in candidates[:idx])):
             continue
         gate = Gate(accounting, rec, key[0])
         accounting.candidate_items.insert(owner, idx, gate, path=(key,))

@@ -1,6 +1,7 @@
 """The graph owners: the vLLM objects that map a batch to a CUDA graph, behind one interface.
 
-Model runner V1 has a ``CudagraphDispatcher``, model runner V2 a ``CudaGraphManager``.
+Model runner V1 has a ``CudagraphDispatcher`` (up to vLLM 0.33), model runner V2 a
+``CudaGraphManager`` (0.34: uniform decode graphs keyed by request count per query length).
 :class:`GraphOwner` says what an owner is meant to run (its intended mode, the query
 lengths and LoRA cases it captures) and asks its own ``dispatch`` what a batch shape gets.
 This module also knows each owner's ``dispatch`` signature and the vLLM frames whose
@@ -107,6 +108,19 @@ class V1Owner(GraphOwner):
 class V2Owner(GraphOwner):
     kind = "V2"
 
+    @property
+    def max_capture_size(self) -> int:
+        """The widest uniform decode graph the sizing allows, in tokens (0.34: the decode
+        request sizes at the widest query length, within the recorded token ceiling)."""
+        cc = self.vllm_config.compilation_config
+        ceiling = int(cc.max_cudagraph_capture_size or 0)
+        if not split_sizing(self.vllm_config):
+            return ceiling
+        budget = min(ceiling, int(getattr(cc, "max_decode_cudagraph_capture_tokens", 0)
+                                  or ceiling))
+        reqs = max(cc.decode_cudagraph_capture_request_sizes or [0])
+        return min(budget, reqs * max(self.query_lens()))
+
     def query_lens(self) -> list[int]:
         qs = {d.uniform_token_count for descs in self.obj._capture_descs.values()
               for d in descs if getattr(d, "uniform_token_count", None)}
@@ -163,6 +177,12 @@ def is_v2_runner(runner) -> bool:
     return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
 
 
+def split_sizing(vllm_config) -> bool:
+    """vLLM 0.34+: capture sizing split into prefill token sizes and decode request sizes
+    (``decode_cudagraph_capture_request_sizes``), model runner V2 only."""
+    return hasattr(vllm_config.compilation_config, "decode_cudagraph_capture_request_sizes")
+
+
 def v1_probe(vllm_config, mode, q: int) -> V1Owner:
     """A fresh ``CudagraphDispatcher`` with keys for the current capture sizes."""
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
@@ -182,6 +202,13 @@ def v2_probe(vllm_config, mode, decode_query_len: int, lora_capture_cases=None,
         from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager as cls
     m = cls.__new__(cls)
     pc = vllm_config.parallel_config
+    max_reqs = vllm_config.scheduler_config.max_num_seqs
+    if split_sizing(vllm_config):       # 0.34: per query length, the most requests it has
+        decode_max_reqs = {q: min(n, max_reqs) for q, n in sorted(
+            vllm_config.get_decode_cudagraph_query_lens(decode_query_len).items())}
+        decode_query_len = max(decode_max_reqs)
+    else:
+        decode_max_reqs = None
     attrs = dict(
         vllm_config=vllm_config, device=None,
         max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
@@ -192,6 +219,9 @@ def v2_probe(vllm_config, mode, decode_query_len: int, lora_capture_cases=None,
         lora_capture_cases=list(lora_capture_cases or [0]), graphs={}, pool=None,
         _graphs_captured=False, _max_full_descs_to_capture=None, _capture_mem_samples=None,
         _candidates={}, _capture_descs={}, use_breakable_cg=False, breakable_cg_runner=None)
+    if decode_max_reqs is not None:
+        attrs.update(decode_max_reqs=decode_max_reqs, decode_request_sizes=None,
+                     _decode_descs={}, capture_stream=None)
     for name, value in attrs.items():
         if not isinstance(getattr(cls, name, None), property):
             setattr(m, name, value)

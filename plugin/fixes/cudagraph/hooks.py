@@ -34,7 +34,8 @@ class CoverageHooks:
     """Coverage audit, capture completion, padding target and V2 capture lock.
 
     ``capture_lock`` is the declared ``ModuleGlobal`` on
-    ``vllm.compilation.monitor.cudagraph_capturing_enabled``; ``complete`` and
+    ``vllm.compilation.monitor.cudagraph_capturing_enabled`` (absent from vLLM 0.34: there
+    is no lock to switch, so nothing is done there); ``complete`` and
     ``complete_force`` are ``Flags.cudagraph_complete`` / ``cudagraph_complete_force``;
     ``capture_sizes`` the declared ``CompilationConfig`` fields completion extends.
     """
@@ -59,11 +60,10 @@ class CoverageHooks:
                         result.skipped)
             return
         logger.info("vllm-kvguard: KVGUARD_CUDAGRAPH_COMPLETE: %d extra CUDA graphs (%d -> %d) "
-                    "for capture sizes %s; max_cudagraph_capture_size is now %d. These graphs "
-                    "were not in the startup memory profile: if capture runs out of memory, "
-                    "lower gpu_memory_utilization", result.extra_graphs, result.graphs_before,
-                    result.graphs_after, planner.short(result.added),
-                    runner.vllm_config.compilation_config.max_cudagraph_capture_size)
+                    "for decode sizes %s (%s); %s. These graphs were not in the startup memory "
+                    "profile: if capture runs out of memory, lower gpu_memory_utilization",
+                    result.extra_graphs, result.graphs_before, result.graphs_after,
+                    planner.short(result.added), result.unit, result.summary)
 
     @hookimpl
     def kvguard_cudagraph_after_kv_init(self, runner, kv_cache_config, is_profiling):
@@ -95,12 +95,17 @@ class CoverageHooks:
 
     @hookimpl
     def kvguard_cudagraph_before_capture(self, runner, profile_only):
-        if is_v2_runner(runner):
+        if is_v2_runner(runner) and self._has_lock():
             self.capture_lock.replace(True)
+
+    def _has_lock(self) -> bool:
+        from vllm_kvguard.versions import vllm_version
+
+        return self.capture_lock.exists_in(vllm_version())
 
     @hookimpl
     def kvguard_cudagraph_captured(self, runner, profile_only):
-        if profile_only or not is_v2_runner(runner):
+        if profile_only or not is_v2_runner(runner) or not self._has_lock():
             return
         self.capture_lock.replace(False)
         once(logging.INFO, ("v2_capture_lock",),

@@ -4,10 +4,12 @@
 uncovered shapes, verified by re-running vLLM's own capture sizing on a copy of the config
 and dispatching every shape again. :func:`complete` (``KVGUARD_CUDAGRAPH_COMPLETE``) runs
 before the runner builds attention metadata builders and graph keys (their buffers are
-sized from ``max_cudagraph_capture_size``): it extends ``cudagraph_capture_sizes`` with
-vLLM's request-count grid at each draft length up to the widest reachable decode. It keeps
-an explicit user list unless forced, and does nothing when every reachable uniform decode
-already has a graph.
+sized from ``max_cudagraph_capture_size``) and adds vLLM's request-count grid up to the
+widest reachable decode at each draft length. In vLLM's own terms: up to 0.33 as token
+sizes (``cudagraph_capture_sizes``); from 0.34, where those are deprecated, as decode
+request sizes (``decode_cudagraph_capture_request_sizes``, :mod:`.split_sizing`), with
+the recorded token fields re-resolved by vLLM's sizing. It keeps an explicit user list
+unless forced, and does nothing when every reachable uniform decode already has a graph.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 from vllm_kvguard.fixes.cudagraph import coverage
 from vllm_kvguard.fixes.cudagraph.coverage import Coverage, FamilyCoverage, kv_decodes_of
 from vllm_kvguard.fixes.estimation.estimate import num_spec
-from vllm_kvguard.fixes.cudagraph.graph_owners import GraphOwner, is_v2_runner, modes, v1_probe, v2_probe
+from vllm_kvguard.fixes.cudagraph import split_sizing as split
+from vllm_kvguard.fixes.cudagraph.graph_owners import (GraphOwner, is_v2_runner, modes,
+                                                      split_sizing, v1_probe, v2_probe)
 from vllm_kvguard.log import logger
 
 
@@ -66,6 +70,8 @@ def _probe_like(owner: GraphOwner, vllm_config) -> GraphOwner:
 def explicit_sizes(vllm_config, *, v2: bool) -> bool:
     """Whether the capture list is the user's own (not what vLLM derives by default or
     from a bare ``max_cudagraph_capture_size``). Unknown counts as explicit."""
+    if split_sizing(vllm_config):
+        return split.explicit(vllm_config)
     cc = vllm_config.compilation_config
     current = sorted(cc.cudagraph_capture_sizes or [])
     try:
@@ -109,6 +115,11 @@ def suggest_fix(owner: GraphOwner, fc: FamilyCoverage) -> tuple[str, dict]:
     complete = " (or KVGUARD_CUDAGRAPH_COMPLETE=1)"
     current = sorted(vc.compilation_config.cudagraph_capture_sizes or [])
     try:
+        if split_sizing(vc):
+            for setting in split.candidates(vc, fc):
+                if _covers(owner, split.resized(vc, setting), fc):
+                    return split.fix_text(setting, fam) + complete, setting
+            return f"decode graphs up to {fam.hi} requests at query length {fam.q}{complete}", {}
         if not explicit_sizes(vc, v2=v2):
             step = 16 if need >= 256 else 8
             lcm = step * fam.q // _gcd(step, fam.q)
@@ -173,6 +184,8 @@ class Completion:
     graphs_before: int
     graphs_after: int
     skipped: str = ""
+    unit: str = "tokens"        # what ``added`` counts: token sizes, or decode requests (0.34)
+    summary: str = ""           # the resulting ceiling, in the release's own terms
 
     @property
     def extra_graphs(self) -> int:
@@ -216,6 +229,18 @@ def complete(runner, kv_cache_config, *, force: bool = False,
     if not force and explicit_sizes(vc, v2=v2):
         return Completion([], before.graphs, before.graphs,
                           "cudagraph_capture_sizes was set explicitly; kept as given")
+    if split_sizing(vc):
+        added, fields_set = split.completion(vc, gaps)
+        for name, value in fields_set.items():
+            decl = next((f for f in fields if f.attr == name), None)
+            if decl is not None:
+                decl.set(cc, value)
+            else:
+                setattr(cc, name, value)
+        after = _probe_like(owner, vc)
+        return Completion(added, before.graphs, after.num_graphs(), unit="requests",
+                          summary=f"decode request sizes now up to "
+                                  f"{max(cc.decode_cudagraph_capture_request_sizes)}")
     current = sorted(cc.cudagraph_capture_sizes or [])
     added = sorted({s for r in gaps for s in completion_sizes(r, current)})
     sizes = sorted(set(current) | set(added))
@@ -225,5 +250,6 @@ def complete(runner, kv_cache_config, *, force: bool = False,
     else:
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
     after = _probe_like(owner, vc)
-    return Completion(added, before.graphs, after.num_graphs())
+    return Completion(added, before.graphs, after.num_graphs(),
+                      summary=f"max_cudagraph_capture_size is now {sizes[-1]}")
 
