@@ -29,8 +29,9 @@ def activate(env=None) -> dict[str, str] | None:
         if _state["results"] is not None:
             return _state["results"]
         fl = read_flags(env)
-        for err in fl.errors:
-            logger.warning("vllm-kvguard: %s", err)
+        for err in fl.errors:            # once per process tree, not once per process
+            if process.first_in_tree("flag:" + err[:60]):
+                logger.warning("vllm-kvguard: %s", err)
         if not fl.enabled:
             _compare_with_driver([])
             return None
@@ -44,13 +45,19 @@ def activate(env=None) -> dict[str, str] | None:
             _state["results"] = {p.name: "skipped: vLLM is not installed"
                                  for p in select_patches(fl)}
             return _state["results"]
+        chosen = select_patches(fl)
         res: dict[str, str] = {}
-        for patch in select_patches(fl):
+        # fault injection last: self-tests must not meet (nor count) injected faults
+        for patch in sorted(chosen, key=lambda p: p.name == "faults"):
             res[patch.name] = _apply_one(patch, version, fl)
+        res = {p.name: res[p.name] for p in chosen}
         _state["results"] = res
         if any(r.startswith("applied") for r in res.values()):
             _export_metrics()
-        logger.info("%s", startup_line(version, res))
+        logger.info("%s", startup_line(version, res, fl))
+        logger.debug("vllm-kvguard: %d targets wrapped, %d more when vLLM loads their module; "
+                     "%s", len(wrapped_targets()), pending_targets(), declared_changes())
+        _warn_outside_range(version, res, chosen)
         _compare_with_driver([n for n, r in res.items() if r.startswith("applied")])
         return res
 
@@ -80,17 +87,25 @@ def _export_metrics() -> None:
 
 
 def _apply_one(patch, version, fl: Flags) -> str:
-    if not patch.supports(version) and not fl.force:
-        msg = (f"skipped: vLLM {version} outside {patch.vllm_versions} "
-               f"(KVGUARD_FORCE=1 overrides)")
-        logger.info("vllm-kvguard: patch %r %s", patch.name, msg)
-        return msg
+    if not patch.targets_in(version):
+        return f"skipped: none of its targets is in vLLM {version}"
     try:
-        notes = patch.apply(fl)
+        if patch.supports(version) or fl.force:
+            notes = patch.apply(fl)
+        else:                                  # outside its range: it proves itself first
+            from vllm_kvguard import verify
+
+            box: list = []
+            verdict = verify.verify(patch, version, lambda: box.append(patch.apply(fl)))
+            if not verdict.ok:
+                logger.info("vllm-kvguard: patch %r skipped: %s", patch.name, verdict.reason)
+                return f"skipped: {verdict.reason}"
+            return "applied (verified)" + (f" [{'; '.join(box[0])}]" if box and box[0] else "")
     except LookupError as exc:
         logger.warning("vllm-kvguard: patch %r skipped: %s", patch.name, exc)
         return f"skipped: {exc}"
     except Exception as exc:  # fail open: leave vLLM unpatched for this patch
+        patch.revert()
         logger.error("vllm-kvguard: patch %r not applied, internal error (%s: %s); "
                      "vLLM runs without it", patch.name, type(exc).__name__, exc)
         return f"skipped: internal error {type(exc).__name__}"
@@ -111,7 +126,7 @@ def wrapped_targets() -> list[str]:
 
     found = []
     for patch in ALL_PATCHES:
-        for target in patch.targets:
+        for target in patch.targets_in():
             if target.module not in sys.modules:     # not loaded: cannot be wrapped yet
                 continue
             resolved = resolve(target.module, target.qualname)
@@ -120,16 +135,66 @@ def wrapped_targets() -> list[str]:
     return found
 
 
-def startup_line(version, res: dict[str, str]) -> str:
-    applied = [n for n, r in res.items() if r.startswith("applied")]
-    skipped = [f"{n} ({r[len('skipped: '):]})" for n, r in res.items()
-               if not r.startswith("applied")]
+#: the always-on part: carries the flags to Ray workers, brings counters back
+ALWAYS_ON = "distributed"
+LINE_LIMIT = 199
+
+
+def _short(reason: str) -> str:
+    r = reason[len("skipped: "):] if reason.startswith("skipped: ") else reason
+    for key, short in (("self-test failed", "self-test failed"), ("not in this vLLM", "drift"),
+                       ("missing", "targets missing"), ("none of its targets", "no targets"),
+                       ("outside", "outside its range"), ("internal error", "internal error")):
+        if key in r:
+            return short
+    return r[:30]
+
+
+def startup_line(version, res: dict[str, str], fl: Flags | None = None) -> str:
+    """One line under 200 characters: who speaks, vLLM, the fixes on and off (with why)."""
+    from vllm_kvguard.flags import PATCH_NAMES
+
+    fl = fl or flags()
+    applied = [n for n, r in res.items() if r.startswith("applied") and n != ALWAYS_ON]
+    fixes = [n for n in applied if n != "faults"]
+    off = [(n, _short(r)) for n, r in res.items() if not r.startswith("applied")
+           and n != ALWAYS_ON]
+    off += [(n, "not chosen") for n in PATCH_NAMES if n not in res]
+    verified = any("verified" in r for r in res.values())
     proc = multiprocessing.current_process().name
-    return (f"vllm-kvguard {__version__} active in {proc} ({process.describe()}), "
-            f"vLLM {version}: "
-            f"applied: {', '.join(applied) or 'none'}; skipped: {', '.join(skipped) or 'none'}; "
-            f"{len(wrapped_targets())} targets wrapped, {pending_targets()} more when vLLM "
-            f"loads their module; {declared_changes()}")
+    head = (f"vllm-kvguard {__version__} {'active' if fixes else 'inactive'} in {proc} "
+            f"({process.describe()}), vLLM {version}: ")
+    on = ", ".join(n + ("*" if "verified" in res[n] else "") for n in applied) or "no fix"
+    always = res.get(ALWAYS_ON, "")
+    tail = (f"; {ALWAYS_ON} always on" if always.startswith("applied") else "") + \
+        ("; *verified here" if verified else "")
+    by_why: dict[str, list[str]] = {}
+    for n, why in off:
+        by_why.setdefault(why, []).append(n)
+    for detail in (True, False):
+        offs = "; ".join(f"{', '.join(ns)} ({why})" if detail else ", ".join(ns)
+                         for why, ns in by_why.items())
+        line = head + f"on: {on}" + (f"; off: {offs}" if off else "") + tail
+        if len(line) <= LINE_LIMIT:
+            return line
+    return line[:LINE_LIMIT - 3] + "..."
+
+
+def _warn_outside_range(version, res: dict[str, str], chosen) -> None:
+    """Outside a chosen patch's proven range: one WARNING per process tree."""
+    outside = [p for p in chosen if not p.supports(version)]
+    if not outside or flags().force or not process.first_in_tree(f"release:{version}"):
+        return
+    from vllm_kvguard.verify import proven_range
+
+    ok = [p.name for p in outside if res.get(p.name, "").startswith("applied")]
+    bad = [f"{p.name} ({res[p.name][len('skipped: '):]})" for p in outside
+           if not res.get(p.name, "").startswith("applied")]
+    logger.warning(
+        "vllm-kvguard: vLLM %s is outside the proven range %s; verified on it and applied: "
+        "%s; not applied: %s. Run `kvguard doctor` for details; upgrade vllm-kvguard or "
+        "pin vLLM to a proven release to be covered (KVGUARD_FORCE=1 applies unchecked).",
+        version, proven_range(), ", ".join(ok) or "none", "; ".join(bad) or "none")
 
 
 def declared_changes() -> str:
@@ -155,7 +220,7 @@ def unwrapped_loaded_targets() -> list[str]:
     for patch in ALL_PATCHES:
         if not patch.applied:
             continue
-        for target in patch.targets:
+        for target in patch.targets_in():
             if target.module in sys.modules:
                 resolved = resolve(target.module, target.qualname)
                 if resolved is not None and not is_wrapped(resolved[2]):
@@ -168,7 +233,7 @@ def pending_targets() -> int:
     from vllm_kvguard.patches import ALL_PATCHES
 
     return sum(1 for p in ALL_PATCHES if p.applied
-               for t in p.targets if t.module not in sys.modules)
+               for t in p.targets_in() if t.module not in sys.modules)
 
 
 def deactivate() -> None:
@@ -182,4 +247,7 @@ def deactivate() -> None:
             sys.modules["vllm_kvguard.metrics"].teardown()
         if _state["driver"]:
             process.unpublish()
+        process.forget_noted()
+        if "vllm_kvguard.verify" in sys.modules:
+            sys.modules["vllm_kvguard.verify"].forget()
         _state.update(flags=None, results=None, driver=False)

@@ -3,7 +3,8 @@
 =============================  ==============================================================
 ``KVGUARD``                    ``1``/``on``: apply every patch that supports the installed vLLM.
                                unset, ``0``/``off``: apply nothing (no wrapper anywhere).
-``KVGUARD_PATCHES``            comma list choosing patches by name (default: all of them).
+``KVGUARD_PATCHES``            comma list choosing patches by name (default: all of them);
+                               ``-name`` entries turn one off (``-cudagraph``: all but it).
                                ``none`` applies no fix (useful with ``KVGUARD_FAULTS``).
 ``KVGUARD_FORCE``              ``1``: apply patches even outside their declared vLLM range.
 ``KVGUARD_AUDIT``              ``1``: verify the block pool's invariants after every step.
@@ -114,15 +115,19 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
     raw = env.get("KVGUARD_PATCHES")
     if raw is not None:
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+        off = [n[1:].strip() for n in names if n.startswith("-")]
+        names = [n for n in names if not n.startswith("-")]
         if names == ["none"]:
             patches = ()
         else:
-            bad = [n for n in names if n not in PATCH_NAMES]
-            patches = tuple(n for n in PATCH_NAMES if n in names)
-            if bad or not names:
+            bad = [n for n in names + off if n not in PATCH_NAMES]
+            if names or not off:
+                patches = tuple(n for n in PATCH_NAMES if n in names)
+            patches = tuple(n for n in patches if n not in off)
+            if bad or not (names or off):
                 errors.append(
                     f"KVGUARD_PATCHES={raw!r}: unknown patch name(s) {', '.join(bad) or '(empty)'}; "
-                    f"valid: {', '.join(PATCH_NAMES)}, or none; applying only the valid ones: "
+                    f"valid: {', '.join(PATCH_NAMES)} (-name: all but it), or none; applying only the valid ones: "
                     f"{', '.join(patches) or 'none'}")
 
     raw = env.get("KVGUARD_ADMISSION", "").strip().lower()
@@ -134,7 +139,10 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
 
     faults = None
     raw = env.get("KVGUARD_FAULTS", "").strip()
-    if raw:
+    if raw and not enabled:
+        errors.append(f"KVGUARD_FAULTS={raw!r} does nothing while KVGUARD is off; set "
+                      f"KVGUARD=1 (with KVGUARD_PATCHES=none to see vLLM without the fixes)")
+    elif raw:
         try:
             faults = parse_faults(raw)
         except ValueError as exc:

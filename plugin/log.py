@@ -5,6 +5,7 @@ vLLM process our lines get vLLM's handler and format without importing vLLM.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -56,3 +57,26 @@ def reset_once() -> None:
     """Forget the keys seen so far (tests)."""
     with _lock:
         _seen.clear()
+
+
+def _drop(_record) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence our lines and vLLM's (and keep :func:`once` keys unspent) while a
+    self-test runs on private objects: nothing it logs is about the user's engine."""
+    vllm = logging.getLogger("vllm")
+    with _lock:
+        seen = set(_seen)
+    level = vllm.level
+    logger.addFilter(_drop)
+    vllm.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        vllm.setLevel(level)
+        logger.removeFilter(_drop)
+        with _lock:
+            _seen.intersection_update(seen)

@@ -5,6 +5,8 @@ Ray actors on other nodes), so the startup line names the role, node and pid. Th
 process that activates publishes its applied patches in :data:`ENV_DRIVER` (an internal
 variable: processes vLLM starts inherit it, and Ray workers get it with the other
 ``KVGUARD*`` variables); a process whose patches differ says so once, naming both sets.
+:func:`first_in_tree` does the same for lines a user needs once per process tree (a bad
+flag, the release warning), through :data:`ENV_NOTED`.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import socket
 import sys
 
 ENV_DRIVER = "KVGUARD_DRIVER_PATCHES"
+ENV_NOTED = "KVGUARD_TREE_NOTED"        # keys already said in this process tree
+_noted_here: set[str] = set()
 _WORKER_RE = re.compile(r"^VllmWorker-(\d+)$")
 #: loaded in a process that serves vLLM's OpenAI API (``vllm serve`` or the module itself)
 SERVER_MODULES = ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server")
@@ -111,3 +115,25 @@ def mismatch(patches, env=None) -> str | None:
             f"{', '.join(patches) or 'no patch'} but the process that started it "
             f"({speaker}) applied {', '.join(driver) or 'no patch'}; compare the KVGUARD* "
             f"variables of the two (Ray's RayExecutorV2 keeps a node's own values)")
+
+
+def first_in_tree(key: str) -> bool:
+    """True the first time ``key`` is asked for in this process tree (inherited through
+    :data:`ENV_NOTED`, which vLLM's children and Ray workers receive): say it then only."""
+    key = key.replace(",", ";")
+    noted = [k for k in os.environ.get(ENV_NOTED, "").split(",") if k]
+    if key in noted:
+        return False
+    os.environ[ENV_NOTED] = ",".join(noted + [key])
+    _noted_here.add(key)
+    return True
+
+
+def forget_noted() -> None:
+    """Drop the keys this process noted (deactivate, tests)."""
+    noted = [k for k in os.environ.get(ENV_NOTED, "").split(",") if k and k not in _noted_here]
+    _noted_here.clear()
+    if noted:
+        os.environ[ENV_NOTED] = ",".join(noted)
+    else:
+        os.environ.pop(ENV_NOTED, None)

@@ -7,6 +7,7 @@ current value per label, replaced as a whole) sit beside them, read by :func:`ga
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 
@@ -69,3 +70,21 @@ def reset_counters() -> None:
     with _lock:
         _counters.clear()
         _gauges.clear()
+
+
+@contextlib.contextmanager
+def scratch():
+    """Counters and gauges as they were before the block (a self-test's rollbacks and
+    contained errors are not the engine's)."""
+    with _lock:
+        counters = {cat: dict(reasons) for cat, reasons in _counters.items()}
+        gauges = {name: dict(values) for name, values in _gauges.items()}
+    try:
+        yield
+    finally:
+        with _lock:
+            _counters.clear()
+            for cat, reasons in counters.items():
+                _counters[cat].update(reasons)
+            _gauges.clear()
+            _gauges.update(gauges)

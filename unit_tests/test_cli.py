@@ -181,3 +181,24 @@ class socket_closed_port:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_release_probe_dry_run_for_a_version_not_pinned(capsys):
+    """scripts/probe.py: a version outside pins.txt becomes a pure-Python pin; the plan
+    names the doctor, the unit suite with KVGUARD_FORCE=1 and the conformance stage."""
+    from vllm_kvguard.testing.scripts import load
+
+    probe = load("probe")
+    pin, pinned = probe.pin_for("0.99.0")
+    assert not pinned and pin.requirement == "vllm==0.99.0" and pin.deps == "pure-python"
+    assert probe.main(["0.99.0", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "not in pins.txt" in out and "doctor" in out and "conformance" in out
+    assert "unit: KVGUARD_FORCE=1" in out
+    assert probe.pin_for("0.32.0")[1] is True
+
+
+def test_doctor_is_a_subcommand():
+    from vllm_kvguard.tools import cli
+
+    assert "doctor" in cli.SUBCOMMANDS and cli.SUBCOMMANDS["doctor"][1] is True

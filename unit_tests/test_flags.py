@@ -77,3 +77,51 @@ def test_liveness_steps():
     assert read_flags({"KVGUARD_LIVENESS_STEPS": "5"}).liveness_steps == 5
     fl = read_flags({"KVGUARD_LIVENESS_STEPS": "0"})
     assert fl.liveness_steps == 64 and "KVGUARD_LIVENESS_STEPS='0'" in fl.errors[0]
+
+
+def test_minus_name_turns_one_patch_off():
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "-cudagraph"})
+    assert fl.patches == tuple(n for n in PATCH_NAMES if n != "cudagraph") and not fl.errors
+    fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "-cudagraph,-bogus"})
+    assert "cudagraph" not in fl.patches and "bogus" in fl.errors[0]
+
+
+def test_faults_without_kvguard_say_they_do_nothing():
+    fl = read_flags({"KVGUARD_FAULTS": "every=7"})
+    (err,) = fl.errors
+    assert not fl.enabled and fl.faults is None
+    assert "KVGUARD_FAULTS='every=7' does nothing while KVGUARD is off" in err
+
+
+def test_a_bad_flag_is_warned_once_per_process_tree(kvguard_log):
+    import logging
+    import os
+
+    from vllm_kvguard import activation, process
+
+    env = {"KVGUARD": "1", "KVGUARD_PATCHES": "allocator,bogus"}
+    activation.activate(env)
+    noted = os.environ[process.ENV_NOTED]
+    activation.deactivate()                 # a child process: inherits the environment
+    os.environ[process.ENV_NOTED] = noted
+    try:
+        activation.activate(env)
+    finally:
+        os.environ.pop(process.ENV_NOTED, None)
+    bad = [m for m in kvguard_log.lines(logging.WARNING) if "bogus" in m]
+    assert len(bad) == 1, bad
+
+
+def test_startup_line_is_short_names_off_patches_and_inactive_without_fixes(kvguard_log):
+    import logging
+
+    from vllm_kvguard import activation
+
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "-cudagraph"})
+    line, = [m for m in kvguard_log.lines(logging.INFO) if m.startswith("vllm-kvguard 0")]
+    assert len(line) < 200 and " active in " in line, line
+    assert "off: cudagraph (not chosen)" in line and "distributed always on" in line
+    activation.deactivate()
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
+    line = [m for m in kvguard_log.lines(logging.INFO) if m.startswith("vllm-kvguard 0")][-1]
+    assert " inactive in " in line and "on: no fix" in line and len(line) < 200, line

@@ -78,15 +78,24 @@ def test_second_copy_of_a_patch_does_not_double_wrap():
     assert _raw(KVCacheManager, "allocate_slots") is wrapper
 
 
-def test_version_gate_skips_out_of_range_patch_with_one_info_line(monkeypatch, kvguard_log):
+def test_out_of_range_patch_failing_its_self_test_is_skipped_with_one_info_line(
+        monkeypatch, kvguard_log):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+    from vllm_kvguard import verify
+
+    def fails():
+        raise verify.SelfTestFailed("rollback left a block behind")
+
     monkeypatch.setattr(BY_NAME["allocator"], "vllm_versions", "<0.1")
+    monkeypatch.setitem(verify.CHECKS, "allocator", fails)
     res = activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
-    assert res["allocator"].startswith("skipped: vLLM") and "outside <0.1" in res["allocator"]
+    assert res["allocator"] == "skipped: self-test failed: rollback left a block behind"
     assert not is_wrapped(_raw(KVCacheManager, "allocate_slots"))
     skip_lines = [m for m in kvguard_log.lines(logging.INFO) if "patch 'allocator'" in m]
-    assert len(skip_lines) == 1 and "KVGUARD_FORCE=1" in skip_lines[0]
+    assert len(skip_lines) == 1 and "rollback left a block behind" in skip_lines[0]
+    warnings = kvguard_log.lines(logging.WARNING)
+    assert len(warnings) == 1 and "not applied: allocator (self-test failed" in warnings[0]
 
 
 def test_force_applies_out_of_range_patch(monkeypatch):
@@ -109,10 +118,14 @@ def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
 
     activation.activate({**ON, "KVGUARD_PATCHES": "allocator"})
     lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
-    assert len(lines) == 1
-    assert "vLLM 0." in lines[0] and "applied: allocator" in lines[0]
-    assert "applied: allocator, distributed; skipped: none" in lines[0]
-    assert "6 targets wrapped, 0 more when vLLM loads their module" in lines[0]
+    assert len(lines) == 1 and len(lines[0]) < 200, lines
+    assert "vLLM 0." in lines[0] and "on: allocator;" in lines[0]
+    assert "off: warmup, cudagraph, admission, containment (not chosen)" in lines[0]
+    assert lines[0].endswith("; distributed always on"), lines[0]
+    counts = [m for m in kvguard_log.lines(logging.DEBUG) if "targets wrapped" in m]
+    assert counts == ["vllm-kvguard: 6 targets wrapped, 0 more when vLLM loads their module; "
+                      + activation.declared_changes()]
+    assert not any("targets wrapped" in m for m in kvguard_log.lines(logging.INFO))
 
 
 def test_register_never_raises(monkeypatch, kvguard_log):

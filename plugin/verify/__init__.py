@@ -1,0 +1,180 @@
+"""Self-verified activation: a patch outside its declared vLLM range proves itself first.
+
+On a vLLM a patch was not proven on (newer than the newest proven release, say), the
+patch is applied only after, in that process and before vLLM uses its targets:
+
+1. the drift guard passes at run time: every declared target and private name resolves
+   (:meth:`Patch.drift`) and the parameters its wrappers read sit where they expect
+   (:mod:`.signatures`);
+2. its behavioural self-test passes on vLLM's real classes (:data:`CHECKS`, by patch
+   name: each checks what a vLLM change would break first), through the patch's own
+   wrappers, quietly (log lines and counters of the test are not the engine's).
+
+A patch failing either is reverted and skipped with its reason. Inside the declared range
+nothing here runs. A verdict is shared with the processes this one starts (same vLLM,
+same node) through :data:`ENV_VERIFIED`, so a process tree tests each patch once.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from vllm_kvguard import log, report
+
+#: patch name -> "module:function" (or a callable) of its behavioural self-test, which
+#: raises :class:`SelfTestFailed` (or any error) when the patch must stay off.
+CHECKS = {
+    "allocator": "vllm_kvguard.verify.allocator:check",
+    "admission": "vllm_kvguard.verify.estimation:admission",
+    "warmup": "vllm_kvguard.verify.estimation:warmup",
+    "containment": "vllm_kvguard.verify.containment:check",
+    "cudagraph": "vllm_kvguard.verify.cudagraph:check",
+}
+#: what each self-test shows, for the doctor's table and the docs
+SHOWS = {
+    "allocator": "a multi-group allocation failing in a later group is rolled back exactly",
+    "admission": "the certificate equals the allocator at the boundary",
+    "warmup": "the reserved-block model equals the allocator",
+    "containment": "a connector call raising for one request ends that request only",
+    "cudagraph": "the coverage probe runs on the installed graph manager",
+    "distributed": "names and signatures only (always on with the plugin)",
+    "faults": "names and signatures only (test tooling)",
+}
+ENV_VERIFIED = "KVGUARD_VERIFIED"
+_seconds: dict[str, float] = {}
+
+
+class SelfTestFailed(AssertionError):
+    """A self-test saw vLLM or the fix behave otherwise than the patch needs."""
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""         # why not (empty when ok)
+    stage: str = ""          # "drift" | "self-test" | "" (passed)
+    cached: bool = False     # decided by an ancestor process
+
+
+def preflight(patch, version) -> list[str]:
+    """The drift guard at run time: missing names, then moved parameters."""
+    from vllm_kvguard.verify.signatures import signature_drift
+
+    missing = patch.drift(version)
+    return missing or signature_drift(patch, version)
+
+
+def _key(version) -> str:
+    try:
+        import vllm
+        where = os.path.dirname(getattr(vllm, "__file__", "") or "")
+    except Exception:
+        where = "?"
+    return f"{version}@{where}@{socket.gethostname()}"
+
+
+def _cached(version) -> dict:
+    try:
+        data = json.loads(os.environ.get(ENV_VERIFIED, "") or "{}")
+    except ValueError:
+        return {}
+    return data.get("results", {}) if data.get("key") == _key(version) else {}
+
+
+def _remember(version, name: str, reason: str) -> None:
+    results = _cached(version)
+    results[name] = reason or "ok"
+    os.environ[ENV_VERIFIED] = json.dumps({"key": _key(version), "results": results})
+
+
+def forget() -> None:
+    """Drop the shared verdicts (tests)."""
+    os.environ.pop(ENV_VERIFIED, None)
+    _seconds.clear()
+
+
+def seconds() -> dict[str, float]:
+    """Seconds each self-test took in this process (absent: not run here)."""
+    return dict(_seconds)
+
+
+def run_check(name: str) -> str:
+    """Run patch ``name``'s self-test now (its patch applied); "" when it passed or it has
+    none, else the reason."""
+    target = CHECKS.get(name)
+    if target is None:
+        return ""
+    t0 = time.perf_counter()
+    try:
+        if callable(target):
+            fn = target
+        else:
+            module, _, attr = target.partition(":")
+            fn = getattr(importlib.import_module(module), attr)
+        with log.quiet(), report.scratch():
+            fn()
+        return ""
+    except SelfTestFailed as exc:
+        return str(exc)
+    except Exception as exc:           # the test could not run on this vLLM: not proven
+        return f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        _seconds[name] = time.perf_counter() - t0
+
+
+def verify(patch, version, apply) -> Verdict:
+    """Drift guard, then ``apply()`` and the self-test; on failure the patch is reverted.
+    ``apply``: applies the patch (raises like :meth:`Patch.apply`)."""
+    missing = preflight(patch, version)
+    if missing:
+        return Verdict(False, "not in this vLLM: " + ", ".join(missing), "drift")
+    known = _cached(version).get(patch.name)
+    if known is not None and known != "ok":
+        return Verdict(False, known, "self-test", cached=True)
+    apply()
+    if known == "ok":
+        return Verdict(True, cached=True)
+    why = run_check(patch.name)
+    reason = f"self-test failed: {why}" if why else ""
+    _remember(version, patch.name, reason)
+    if why:
+        patch.revert()
+        return Verdict(False, reason, "self-test")
+    return Verdict(True)
+
+
+# --------------------------------------------------------------------------- proven range
+#: the proven-releases table shipped with the package (written by scripts/matrix.py)
+PROVEN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "proven.json")
+
+
+def proven() -> dict | None:
+    """The shipped proven-releases table (``truth_table.load``'s shape), or None."""
+    try:
+        with open(PROVEN_FILE) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def proven_range() -> str:
+    """``0.27.1 to 0.34.0``: the releases the shipped table proves (else the patches'
+    declared ranges)."""
+    from packaging.version import InvalidVersion, Version
+
+    pins = []
+    for pin in (proven() or {}).get("pins", []):
+        try:
+            pins.append(Version(pin))
+        except InvalidVersion:
+            continue
+    if pins:
+        return f"{min(pins)} to {max(pins)}"
+    from vllm_kvguard.patches import ALL_PATCHES
+
+    return " | ".join(sorted({p.vllm_versions for p in ALL_PATCHES}))
