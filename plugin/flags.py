@@ -127,7 +127,7 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
             if bad or not (names or off):
                 errors.append(
                     f"KVGUARD_PATCHES={raw!r}: unknown patch name(s) {', '.join(bad) or '(empty)'}; "
-                    f"valid: {', '.join(PATCH_NAMES)} (-name: all but it), or none; applying only the valid ones: "
+                    f"valid: {', '.join(PATCH_NAMES)} (-name: all but it), or none; applying: "
                     f"{', '.join(patches) or 'none'}")
 
     raw = env.get("KVGUARD_ADMISSION", "").strip().lower()

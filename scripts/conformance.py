@@ -16,7 +16,9 @@ venv three times:
   as vLLM itself loads the plugin;
 * ``audit``: the same with ``KVGUARD_AUDIT=1`` (the pool's invariants after every step).
 
-Each pass loads this file as a pytest plugin (``-p conformance``, the second half below).
+Each pass loads this file as a pytest plugin (``-p conformance``, the second half below),
+after ``conformance_platform.py`` (the test-only CPU platform choice that lets a CUDA
+wheel's pure-Python pin run vLLM's scheduler-level tests; the same in every pass).
 It writes config-only local models with a stand-in tokenizer under the Hugging Face ids
 the tests name (into an offline Hugging Face cache inside the run, so nothing downloads),
 keeps vLLM's caches (its model-inspection cache among them) inside the run, and records
@@ -66,6 +68,8 @@ EXCLUDE = (
     "tests/v1/core/test_reset_prefix_cache_e2e.py",
     "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
 )
+#: Files outside ``tests/`` that the suite reads (0.34: the prompt block-hash vectors).
+DATA_FILES = ("rust/src/engine-core-client/src/tests/prompt_block_hash_vectors.json",)
 #: Test-only packages vLLM's tests/conftest.py imports that a pin venv lacks; installed
 #: with ``pip install --target`` beside the venv (never into it) and put on PYTHONPATH.
 TEST_DEPS = ("tblib",)
@@ -74,6 +78,8 @@ PER_TEST_TIMEOUT = 300
 PASS_TIMEOUT = 3600
 ALLOCATE_SLOTS = "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"
 PLUGIN_NAME = "conformance"          # this file, as ``-p conformance``
+#: The test-only platform choice (``conformance_platform.py``), loaded in every pass.
+PLATFORM_PLUGIN = "conformance_platform"
 
 MODE_ENV = "KVGUARD_CONFORMANCE"
 STATS_ENV = "KVGUARD_CONFORMANCE_STATS"
@@ -176,13 +182,14 @@ def fetch_sdist(version: str, python: str, cache: Path) -> Path:
 
 
 def extract_tests(sdist: Path, dest: Path) -> Path:
-    """Unpack the sdist's ``tests/`` and ``pyproject.toml`` (pytest markers) into ``dest``."""
+    """Unpack the sdist's ``tests/``, ``pyproject.toml`` (pytest markers) and
+    :data:`DATA_FILES` into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist, "r:gz") as tar:
         members = []
         for m in tar:
             top, _, rest = m.name.partition("/")
-            if rest == "pyproject.toml" or rest.startswith("tests/"):
+            if rest in ("pyproject.toml", *DATA_FILES) or rest.startswith("tests/"):
                 if not (m.isfile() or m.isdir()):
                     continue
                 m.name = rest
@@ -251,7 +258,8 @@ def build_pytest_argv(python: str, junit: Path, selection: list[str], extra: lis
                 plugins: list[str]) -> list[str]:
     cmd = [python, "-m", "pytest", *(selection or [SUITE]),
            *(f"--ignore={f}" for f in EXCLUDE),
-           "-p", PLUGIN_NAME, *(a for p in plugins for a in ("-p", p)),
+           "-p", PLATFORM_PLUGIN, "-p", PLUGIN_NAME,
+           *(a for p in plugins for a in ("-p", p)),
            "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short",
            f"--junitxml={junit}", "-o", "junit_family=xunit2",
            f"--timeout={PER_TEST_TIMEOUT}"]
@@ -381,7 +389,8 @@ def conformance(python: str, sdist: Path, deps: Path, results: Path, *,
                      "tests": len(r["outcomes"]), "proof_missing": proof(mode, r["stats"])}
             st = r["stats"] or {}
             entry.update({k: st.get(k) for k in ("txn_calls", "tests_with_txn", "wrapped",
-                                                  "tripped", "counters", "activation")})
+                                                  "tripped", "counters", "activation",
+                                                  "platform")})
             if mode == "audit":
                 entry["violations"] = st.get("violations") or {}
             if not r["outcomes"]:
@@ -568,6 +577,20 @@ MODELS = {
                         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                         "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151643,
                         "hidden_act": "silu"},
+    # A hybrid (Gated DeltaNet + attention) MoE with an MTP draft (0.34's test_scheduler.py).
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "hidden_size": 2048, "intermediate_size": 5120, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 48,
+        "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": [],
+        "max_position_embeddings": 262144, "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "attention_bias": False,
+        "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645},
     "llava-hf/llava-1.5-7b-hf": {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
         "ignore_index": -100, "image_token_index": 32000, "pad_token_id": 32001,
@@ -731,7 +754,8 @@ def pytest_sessionfinish(session, exitstatus):
     out = {"mode": mode, "exitstatus": int(exitstatus), "txn_calls": _STATE["txn_calls"],
            "tests_with_txn": _STATE["tests_with_txn"], "violations": _STATE["violations"],
            "activation": _STATE.get("activation"), "wrapped": [], "tripped": [],
-           "counters": {}}
+           "counters": {},
+           "platform": getattr(sys.modules.get(PLATFORM_PLUGIN), "CHOICE", None)}
     if "vllm_kvguard" in sys.modules:
         from vllm_kvguard import activation, hostcall, report
         from vllm_kvguard.patches import ALL_PATCHES

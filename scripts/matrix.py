@@ -8,12 +8,15 @@
     python3 scripts/matrix.py -- -k allocator    # extra pytest arguments, on every pytest run
     python3 scripts/matrix.py --table            # print the truth table of the last run again
     python3 scripts/matrix.py --conformance all  # vLLM's own tests/v1/core on every pin
+    python3 scripts/matrix.py --conformance none # ... on no pin (default: the pins that say
+                                                 # conformance=yes in pins.txt)
 
 Per pin, in order: ensure its cached venv (``scripts/venvs.py``), run ``unit_tests/`` in full,
 run ``integration_tests/`` (all of it on ``suite=full`` pins, ``-m smoke`` on ``suite=smoke``
-ones), then probe what activation does there, then (on the default pin, or every pin with
-``--conformance all``) run the conformance stage: vLLM's own ``tests/v1/core`` from the
-release's sdist, plain and with the plugin (``scripts/conformance.py``). Results go to
+ones), then probe what activation does there, then (on the pins marked ``conformance=yes``
+in ``pins.txt``; ``--conformance`` overrides) run the conformance stage: vLLM's own
+``tests/v1/core`` from the release's sdist, plain and with the plugin
+(``scripts/conformance.py``). Results go to
 ``--results`` (default ``build/matrix/``): ``<pin>/unit.xml``, ``<pin>/integration.xml``
 (JUnit), ``<pin>/facts.jsonl`` (facts tests recorded), ``<pin>/probe.json``,
 ``<pin>/conformance/`` (``conformance.json``, one JUnit file per pass),
@@ -160,8 +163,10 @@ def integration_marker(suite: str, skip_slow: bool) -> str | None:
 
 
 def wants_conformance(pin: pinned.Pin, choice: str) -> bool:
-    """``--conformance``: ``default`` (the default pin only), ``all`` or ``none``."""
-    return choice == "all" or (choice == "default" and pin.default)
+    """``--conformance``: ``pins`` (the pins marked ``conformance=yes``), ``default`` (the
+    default pin only), ``all`` or ``none``."""
+    return (choice == "all" or (choice == "default" and pin.default)
+            or (choice == "pins" and pin.conformance))
 
 
 def run_conformance(pin: pinned.Pin, python: str, out: Path, env: dict,
@@ -251,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                          "engine configurations) and every conformance pass (plain, patched, "
                          "audit); without it: no slow tests, conformance passes plain and "
                          "audit (the audit pass runs the patched plugin too)")
-    ap.add_argument("--conformance", choices=("default", "all", "none"), default="default",
+    ap.add_argument("--conformance", choices=("pins", "default", "all", "none"),
+                    default="pins",
                     help="run vLLM's own tests/v1/core plain and with the plugin "
-                         "(scripts/conformance.py) on the default pin (default), on every "
+                         "(scripts/conformance.py) on the pins marked conformance=yes in "
+                         "pins.txt (pins, the default), on the default pin only, on every "
                          "selected pin, or nowhere")
     ap.add_argument("--table", action="store_true",
                     help="only print the truth table of the last run's results")

@@ -69,6 +69,7 @@ class Pin:
     deps: str = "all"                 # all | pure-python
     default: bool = False
     extras: tuple = ()                # test-only packages for this pin (pip requirements)
+    conformance: bool = False         # the matrix runs vLLM's own tests/v1/core here too
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -93,17 +94,21 @@ def read_pins(path: Path = PINS_FILE) -> list[Pin]:
         for word in words[2:]:
             key, sep, val = word.partition("=")
             opts[key] = val if sep else "1"
+        conformance = opts.pop("conformance", "no")
         pin = Pin(words[0], words[1], suite=opts.pop("suite", "smoke"),
                   deps=opts.pop("deps", "all"), default=opts.pop("default", "") == "1",
                   extras=tuple(x for x in opts.pop("extras", "").split(",") if x),
+                  conformance=conformance in ("yes", "1"),
                   options=opts)
         if pin.suite not in ("full", "smoke", "none"):
             raise PinError(f"{path.name}:{lineno}: suite={pin.suite!r}; valid: full, smoke, none")
         if pin.deps not in ("all", "pure-python"):
             raise PinError(f"{path.name}:{lineno}: deps={pin.deps!r}; valid: all, pure-python")
+        if conformance not in ("yes", "no", "1"):
+            raise PinError(f"{path.name}:{lineno}: conformance={conformance!r}; valid: yes, no")
         if opts:
             raise PinError(f"{path.name}:{lineno}: unknown option(s) {', '.join(opts)}; "
-                           f"valid: suite=, deps=, extras=, default")
+                           f"valid: suite=, deps=, extras=, conformance=, default")
         pins.append(pin)
     names = [p.name for p in pins]
     if len(set(names)) != len(names):

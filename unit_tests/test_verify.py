@@ -25,7 +25,14 @@ NEXT = "0.35.0"
 
 @pytest.fixture
 def next_release(monkeypatch):
-    """The installed vLLM reports 0.35.0, outside every patch's declared range."""
+    """The installed vLLM reports 0.35.0, outside every patch's declared range. Where the
+    installed vLLM is too old to pass for it (names the allocator declares for newer
+    releases are absent, e.g. 0.27.1), the test skips with the first such name."""
+    from packaging.version import Version
+
+    absent = BY_NAME["allocator"].drift(Version(NEXT))
+    if absent:
+        pytest.skip(f"vLLM {vllm_version()} cannot pass for {NEXT}: {absent[0]} is absent")
     monkeypatch.setattr(vllm, "__version__", NEXT)
     assert not any(p.supports(vllm_version()) for p in BY_NAME.values())
     yield
