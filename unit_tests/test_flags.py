@@ -27,7 +27,8 @@ def test_unknown_patch_name_applies_only_valid_ones():
     fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator,bogus"})
     assert fl.patches == ("allocator",)
     (err,) = fl.errors
-    assert "bogus" in err and "allocator, warmup, cudagraph, admission" in err and err.endswith("applying: allocator")
+    assert "bogus" in err and "allocator, warmup, cudagraph, admission" in err
+    assert err.endswith("applying: allocator")
 
 
 def test_patches_none_selects_nothing_without_error():
