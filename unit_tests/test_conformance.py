@@ -1,6 +1,6 @@
-"""The conformance runner (scripts/conformance.py): its comparison, its proofs, and that it
-fails when a patch changes a vLLM outcome (a deliberately broken patch, on a few of
-vLLM's own tests from the cached sdist)."""
+"""The conformance runner (scripts/conformance.py, conformance_runner.py): its comparison,
+its proofs, and that it fails when a patch changes a vLLM outcome (a deliberately broken
+patch, on a few of vLLM's own tests from the cached sdist)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,31 +22,32 @@ def _load(path: Path, name: str):
 
 
 conformance = _load(REPO / "scripts" / "conformance.py", "kvguard_scripts_conformance")
+runner = conformance.runner                       # scripts/conformance_runner.py
 
 
 # ------------------------------------------------------------------------ comparison
 def test_newly_failing_is_passed_plain_and_not_patched():
     plain = {"a": "passed", "b": "passed", "c": "failed", "d": "passed", "e": "skipped"}
     patched = {"a": "passed", "b": "failed", "c": "passed", "e": "failed"}
-    assert conformance.newly_failing(plain, patched) == ["b", "d"]      # d went missing
+    assert runner.newly_failing(plain, patched) == ["b", "d"]      # d went missing
 
 
 def test_proof_names_what_is_missing():
-    good = {"activation": {"allocator": "applied"}, "wrapped": [conformance.ALLOCATE_SLOTS],
+    good = {"activation": {"allocator": "applied"}, "wrapped": [runner.ALLOCATE_SLOTS],
             "txn_calls": 12, "tripped": [], "counters": {"audit": {"steps": 3}}}
-    assert conformance.proof("patched", good) == []
-    assert conformance.proof("audit", good) == []
+    assert runner.proof("patched", good) == []
+    assert runner.proof("audit", good) == []
     bad = {**good, "wrapped": [], "txn_calls": 0, "tripped": ["allocator"],
            "counters": {"internal_error": {"rollback": 1}}}
-    missing = conformance.proof("audit", bad)
+    missing = runner.proof("audit", bad)
     assert any("no vllm-kvguard wrapper" in m for m in missing)
     assert any("through the transaction" in m for m in missing)
     assert any("tripped: allocator" in m for m in missing)
     assert any("internal_error" in m for m in missing)
     assert any("audit never ran" in m for m in missing)
-    assert conformance.proof("plain", {"wrapped": ["x"]}) == ["plain pass has vllm-kvguard "
-                                                              "wrappers: ['x']"]
-    assert "no session statistics" in conformance.proof("patched", None)[0]
+    assert runner.proof("plain", {"wrapped": ["x"]}) == ["plain pass has vllm-kvguard "
+                                                         "wrappers: ['x']"]
+    assert "no session statistics" in runner.proof("patched", None)[0]
 
 
 def test_summary_line_and_truth_table_cell():
@@ -57,7 +58,7 @@ def test_summary_line_and_truth_table_cell():
         "patched": {"passed": 4, "newly_failing": ["t::x"], "txn_calls": 9,
                     "tests_with_txn": 3},
     }}
-    lines = conformance.summary(rec)
+    lines = runner.summary(rec)
     assert lines[0].startswith("5 passed plain; patched: 4 passed, 1 newly failing (t::x)")
     assert conformance_cell(rec) == "FAILED (1 newly failing; 5 plain; 4 patched)"
     assert conformance_cell(None) == "not run"
@@ -68,13 +69,13 @@ def test_summary_line_and_truth_table_cell():
 
 def test_every_pass_loads_the_platform_choice_first():
     """The test-only CPU platform is loaded in every pass alike, before the runner's own
-    plugin and any patched-only one; it is a script, never part of the plugin."""
-    argv = conformance.build_pytest_argv("py", Path("j.xml"), [], [], ["extra_plugin"])
+    plugin and any patched-only one; both are scripts, never part of the plugin."""
+    argv = runner.build_pytest_argv("py", Path("j.xml"), [], [], ["extra_plugin"])
     plugins = [argv[i + 1] for i, a in enumerate(argv) if a == "-p"]
-    assert plugins[:3] == [conformance.PLATFORM_PLUGIN, conformance.PLUGIN_NAME,
-                           "extra_plugin"]
-    assert (REPO / "scripts" / f"{conformance.PLATFORM_PLUGIN}.py").is_file()
-    assert not list((REPO / "plugin").rglob(f"{conformance.PLATFORM_PLUGIN}.py"))
+    assert plugins[:3] == [runner.PLATFORM_PLUGIN, runner.PLUGIN_NAME, "extra_plugin"]
+    for name in (runner.PLATFORM_PLUGIN, runner.PLUGIN_NAME):
+        assert (REPO / "scripts" / f"{name}.py").is_file()
+        assert not list((REPO / "plugin").rglob(f"{name}.py"))
 
 
 # --------------------------------------------------------- a broken patch is caught
@@ -124,9 +125,9 @@ def test_a_broken_patch_makes_vllm_tests_newly_failing(tmp_path):
     python, sdist, deps, pycache = _cached()
     broken = tmp_path / "kvguard_broken_patch.py"
     broken.write_text(textwrap.dedent(BROKEN))
-    rec = conformance.conformance(python, sdist, deps, tmp_path / "results",
-                                  selection=SELECTED, passes=("plain", "patched"),
-                                  patched_plugins=[str(broken)], pycache=pycache)
+    rec = runner.conformance(python, sdist, deps, tmp_path / "results",
+                             selection=SELECTED, passes=("plain", "patched"),
+                             patched_plugins=[str(broken)], pycache=pycache)
     plain, patched = rec["passes"]["plain"], rec["passes"]["patched"]
     assert plain["passed"] == len(SELECTED), rec
     newly = patched["newly_failing"]
@@ -136,5 +137,5 @@ def test_a_broken_patch_makes_vllm_tests_newly_failing(tmp_path):
     assert not rec["ok"]
     assert "patched: 3 newly failing" in rec["problems"]
     assert patched["txn_calls"] > 0 and patched["proof_missing"] == []
-    line = conformance.summary(rec)[0]
+    line = runner.summary(rec)[0]
     assert line.startswith(f"{len(SELECTED)} passed plain; patched: 2 passed, 3 newly failing (")
