@@ -317,7 +317,7 @@ class Patch:
                     if c.required and c.exists_in(current) and (m := c.missing())]
         for private in self.uses:
             missing += private.missing(version)
-        return missing
+        return list(dict.fromkeys(missing))     # a missing class is named once
 
     def inventory(self) -> list[tuple[str, str, Any]]:
         """(kind, declared name, vLLM object) of every change in place right now."""
