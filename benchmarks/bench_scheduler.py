@@ -35,7 +35,12 @@ Two figures, as on/off ratios side by side
 
     python benchmarks/bench_scheduler.py [--pairs 15] [--steps 24] [--instr-steps 4]
                                          [--warmup 16] [--layouts 5] [--no-instructions]
-                                         [--no-cpu] [--floor]
+                                         [--no-cpu] [--floor] [--json RUN.json]
+                                         [--write-docs docs/performance.md [--from-json RUN.json]]
+
+    ``--json`` saves the instruction counts' headline (``_docs.py``); ``--write-docs``
+    writes it into the page's ``<!-- bench:scheduler:<vLLM> -->`` block, from this run or,
+    with ``--from-json``, from a saved one (nothing is measured then).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import sys
 import time
 
 import _cgcount
+import _docs
 import _floor
 
 BLOCK_SIZE = 16
@@ -328,9 +334,19 @@ def main(argv=None) -> int:
                     choices=range(1, len(_cgcount.LAYOUTS) + 1),
                     help="heap layouts each side is counted under (one child each)")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    ap.add_argument("--json", help="save the instruction counts' headline to this file")
+    ap.add_argument("--write-docs", metavar="PAGE",
+                    help="write the headline into PAGE's bench:scheduler:<vLLM> block")
+    ap.add_argument("--from-json", metavar="RUN",
+                    help="with --write-docs: take the figures from a saved --json run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.from_json:
+        if not args.write_docs:
+            ap.error("--from-json needs --write-docs")
+        _docs.write_docs(args.write_docs, _docs.load_json(args.from_json))
+        return 0
     quiet(args.verbose)
     if args.child:
         return child_instructions(args)
@@ -404,6 +420,15 @@ def main(argv=None) -> int:
         verdict = "PASS" if ratio <= TARGET else "MISS"
         print(f"{verdict}: scheduler step with the plugin at {1 / ratio:.4f}x the unpatched "
               f"step in instructions (on/off {ratio:.4f}; target on/off <= {TARGET})")
+        rec = _docs.record(
+            "scheduler", vllm.__version__, instr["layouts"], {"step": ratio}, TARGET,
+            per_layout={"step": [b / a for a, b in zip(instr["off"], instr["on"])]},
+            command=f"bench_scheduler.py --no-cpu --layouts {len(instr['layouts'])} "
+                    f"--instr-steps {args.instr_steps}")
+        if args.json:
+            _docs.save_json(args.json, rec)
+        if args.write_docs:
+            _docs.write_docs(args.write_docs, rec)
         if "floor" in instr:
             off, on = statistics.fmean(instr["off"]), statistics.fmean(instr["on"])
             floor = statistics.fmean(instr["floor"])

@@ -1,0 +1,94 @@
+"""A benchmark's headline figures, saved as JSON and written into docs/performance.md.
+
+House rule: the figures in docs/ are written by the scripts that measured them. Each
+benchmark and vLLM version owns one marked block of the page,
+``<!-- bench:<name>:<vllm> -->`` ... ``<!-- /bench:<name>:<vllm> -->``, which
+:func:`write_block` replaces (or, the first time, inserts after the last such block, else
+before the ``## History`` section, else at the end). A run's record is a small dict
+(:func:`record`); ``--json`` saves it and ``--write-docs ... --from-json`` writes a saved
+run's block without measuring again.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+
+
+def record(bench: str, vllm: str, layouts, ratios: dict, target: float,
+           per_layout: dict | None = None, command: str = "",
+           date: str | None = None) -> dict:
+    """The headline of one run: ``ratios`` {label: on/off}, the worst decides the verdict."""
+    worst = max(ratios.values())
+    return dict(bench=bench, vllm=vllm, date=date or datetime.date.today().isoformat(),
+                layouts=list(layouts), ratios=dict(ratios), per_layout=per_layout or {},
+                target=target, verdict="PASS" if worst <= target else "MISS",
+                command=command)
+
+
+def save_json(path: str, rec: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(rec, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+
+
+def load_json(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+TITLES = {"scheduler": "Scheduler step", "allocator": "Allocator replay"}
+
+
+def render(rec: dict) -> str:
+    """The block's body: one paragraph, Markdown."""
+    n = len(rec["layouts"])
+    ratios = " / ".join(f"{v:.4f}x ({k})" if len(rec["ratios"]) > 1 else f"{v:.4f}x"
+                        for k, v in rec["ratios"].items())
+    per = "; ".join(f"{k}: " + " ".join(f"{r:.4f}" for r in v)
+                    for k, v in rec.get("per_layout", {}).items())
+    line = (f"**{TITLES.get(rec['bench'], rec['bench'])}, vLLM {rec['vllm']}** "
+            f"({rec['date']}, callgrind, {n} heap layout{'s' if n != 1 else ''} (shift "
+            f"{', '.join(map(str, rec['layouts']))})): instructions on/off {ratios}; target <= {rec['target']}: "
+            f"**{rec['verdict']}**.")
+    if per and n > 1:
+        line += f" Per layout: {per}."
+    if rec.get("command"):
+        line += f" `{rec['command']}`"
+    return line
+
+
+def _marks(rec: dict) -> tuple[str, str]:
+    key = f"{rec['bench']}:{rec['vllm']}"
+    return f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
+
+
+_ANY_END = re.compile(r"^<!-- /bench:[^ ]+ -->$", re.M)
+
+
+def write_block(text: str, rec: dict) -> str:
+    """``text`` with the block of ``rec`` written (replaced, or inserted the first time)."""
+    start, end = _marks(rec)
+    block = f"{start}\n{render(rec)}\n{end}"
+    i = text.find(start)
+    if i >= 0:
+        j = text.find(end, i)
+        if j < 0:
+            raise ValueError(f"{start} has no {end}")
+        return text[:i] + block + text[j + len(end):]
+    ends = list(_ANY_END.finditer(text))
+    if ends:
+        k = ends[-1].end()
+        return text[:k] + "\n\n" + block + text[k:]
+    m = re.search(r"^## History", text, re.M)
+    if m:
+        return text[:m.start()] + block + "\n\n" + text[m.start():]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_docs(path: str, rec: dict) -> None:
+    with open(path) as fh:
+        text = fh.read()
+    with open(path, "w") as fh:
+        fh.write(write_block(text, rec))
+    print(f"wrote {rec['bench']}:{rec['vllm']} into {path}")
