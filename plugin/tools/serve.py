@@ -39,7 +39,8 @@ EVENTS_RE = re.compile(
     r'^kvguard_events_total\{category="([^"]*)",reason="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
 GAUGE_RE = re.compile(r'^kvguard_(\w+)\{\w+="([^"]*)"\}\s+([0-9.eE+-]+)', re.M)
 REFRESH_RE = re.compile(r"^kvguard_remote_refreshes_total\s+([0-9.eE+-]+)", re.M)
-REPORT_RE = re.compile(r"vllm-kvguard \S+ active in (\S+) \(([^)]*), pid (\d+)\)(.*)")
+#: The startup line of one process ("inactive" where no fix applied, e.g. KVGUARD_PATCHES=none).
+REPORT_RE = re.compile(r"vllm-kvguard \S+ (?:in)?active in (\S+) \(([^)]*), pid (\d+)\)(.*)")
 
 
 def free_port() -> int:
