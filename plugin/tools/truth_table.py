@@ -273,6 +273,8 @@ def render(data: dict) -> str:
 
     rows = [["tests"] + head]
     for suite in ("unit", "integration"):
+        if not any(per_pin[p]["totals"] for p in pins):
+            break                       # the shipped table carries no suite counts
         cells = []
         for p in pins:
             t = per_pin[p]["totals"].get(suite)
