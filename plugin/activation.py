@@ -54,7 +54,7 @@ def activate(env=None) -> dict[str, str] | None:
         _state["results"] = res
         if any(r.startswith("applied") for r in res.values()):
             _export_metrics()
-        logger.info("%s", startup_line(version, res, fl))
+        logger.info("%s", startup_line(version, res))
         logger.debug("vllm-kvguard: %d targets wrapped, %d more when vLLM loads their module; "
                      "%s", len(wrapped_targets()), pending_targets(), declared_changes())
         _warn_outside_range(version, res, chosen)
@@ -150,11 +150,10 @@ def _short(reason: str) -> str:
     return r[:30]
 
 
-def startup_line(version, res: dict[str, str], fl: Flags | None = None) -> str:
+def startup_line(version, res: dict[str, str]) -> str:
     """One line under 200 characters: who speaks, vLLM, the fixes on and off (with why)."""
     from vllm_kvguard.flags import PATCH_NAMES
 
-    fl = fl or flags()
     applied = [n for n, r in res.items() if r.startswith("applied") and n != ALWAYS_ON]
     fixes = [n for n in applied if n != "faults"]
     off = [(n, _short(r)) for n, r in res.items() if not r.startswith("applied")
