@@ -242,6 +242,8 @@ class Run:
 
 # ------------------------------------------------------------------ plugin on / off
 def set_plugin(on: bool) -> None:
+    import vllm.v1.engine.core  # noqa: F401  (loaded in EngineCore: the health heartbeat
+    #                              registers there, so both sides load it)
     from vllm_kvguard import activation
 
     activation.deactivate()

@@ -61,7 +61,6 @@ def test_openai_server_metrics_show_the_counters(tmp_path):
     model = write_model("llama", tmp_path / "llama")
     env = {**os.environ, "KVGUARD": "1", "KVGUARD_PATCHES": "cudagraph",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("KVGUARD_METRICS_DIR", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
            "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager",

@@ -1,10 +1,10 @@
 """Counters and leftovers of a real tensor-parallel engine whose processes are killed.
 
 A TP=2 engine (front end, EngineCore, two workers) answers ``kvguard_snapshot`` through
-vLLM's ``collective_rpc`` with every process's entry; workers write nothing. Then a worker
-and the rest of the tree are SIGKILLed (no exit handler runs anywhere), which leaves the
-front end's certificate directory behind; the next engine's start removes it, and that
-engine leaves nothing once it exits.
+vLLM's ``collective_rpc`` with every process's entry (EngineCore's with its admission
+limits); no process writes a file. Then a worker and the rest of the tree are SIGKILLed
+(no exit handler runs anywhere), which leaves nothing behind; nor does the next engine
+once it exits.
 """
 import json
 import os
@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from vllm_kvguard import metrics
 
 SCRIPT = Path(__file__).parent / "scripts" / "engine_up.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -45,7 +43,7 @@ def start(tmp: Path, extra: dict) -> tuple[subprocess.Popen, dict]:
 
 
 def leftovers(tmp: Path) -> list[str]:
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith(metrics.PREFIX))
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("kvguard-"))
 
 
 @pytest.mark.timeout(600)
@@ -57,17 +55,19 @@ def test_tp2_counters_come_from_both_workers_and_a_killed_tree_leaves_nothing_be
         assert roles == ["EngineCore", "worker", "worker"], up["entries"]
         assert up["gauges"]["active_processes"] == {"front end": 1, "EngineCore": 1,
                                                     "worker": 2}, up["gauges"]
-        assert up["dir"] and leftovers(tmp_path) == [os.path.basename(up["dir"])]
+        core = next(e for e in up["entries"] if e["role"] == "EngineCore")
+        assert core["offers"]["admission"]["total_limit"] > 0, core
+        assert leftovers(tmp_path) == []
         worker = next(e["pid"] for e in up["entries"] if e["role"] == "worker")
         os.kill(worker, signal.SIGKILL)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)      # the rest of the tree: no exit handlers
         proc.wait(timeout=60)
-    assert leftovers(tmp_path) == [os.path.basename(up["dir"])]   # left by the kill
+    assert leftovers(tmp_path) == []                                # nothing to leave
 
-    proc, up2 = start(tmp_path, {})
+    proc, _ = start(tmp_path, {})
     try:
-        assert leftovers(tmp_path) == [os.path.basename(up2["dir"])]   # swept at start
+        assert leftovers(tmp_path) == []
     finally:
         proc.communicate(input="\n", timeout=120)
     assert proc.returncode == 0

@@ -16,6 +16,8 @@ patch                   module
                         end through ``collective_rpc``; applied whenever the plugin is on)
 ``containment``         :mod:`vllm_kvguard.patches.containment` (a KV connector's failure
                         ends only its request)
+``health``              :mod:`vllm_kvguard.patches.health` (``/health`` 503 for a stalled
+                        or wedged EngineCore; its heartbeat)
 ======================  =====================================================================
 
 Each module defines ``PATCH`` (a :class:`vllm_kvguard.registry.Patch`) declaring its targets,
@@ -28,7 +30,7 @@ import importlib
 from vllm_kvguard.flags import Flags
 
 _MODULES = ("allocator", "faults", "warmup", "cudagraph", "admission", "distributed",
-            "containment")
+            "containment", "health")
 
 
 def _load():

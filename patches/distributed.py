@@ -11,7 +11,9 @@ Targets
         driver environment itself (node-local values win) and needs nothing.
     ``vllm.v1.engine.core.EngineCore.collective_rpc``
         -> :func:`vllm_kvguard.remote.engine_reply` when asked for ``"kvguard_snapshot"``
-        (EngineCore's and every worker's counters); any other call passes unchanged.
+        (EngineCore's and every worker's counters, and EngineCore's admission limits as
+        JSON numbers); any other call passes unchanged. The front end asks every
+        data-parallel engine through the client's ``call_utility_all_async`` (0.32+).
     ``AsyncLLM.__init__`` / ``LLMEngine.__init__``
         -> :func:`vllm_kvguard.remote.attach`: the front end knows whom to ask.
 Why
@@ -101,7 +103,9 @@ PATCH = Patch(
              Target(SYNC, "LLMEngine.__init__", llm_engine_init)],
     uses=(Private(MODULE, "get_env_vars_to_copy", ("additional_vars",)),
           Private(CORE, "EngineCore", ("model_executor",)),
-          Private(ASYNC, "AsyncLLM", ("collective_rpc", "errored")),
+          Private(ASYNC, "AsyncLLM", ("collective_rpc", "errored", "engine_core")),
+          Private("vllm.v1.engine.core_client", "AsyncMPClient", ("call_utility_all_async",),
+                  ">=0.32"),
           Private(SYNC, "LLMEngine", ("collective_rpc",))),
     vllm_versions=">=0.27.1,<0.35",
     upstream=(),

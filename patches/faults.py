@@ -6,7 +6,8 @@ Targets
     ``KVConnectorBase_V1.__init__`` -> for a scheduler-role connector, its
         ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` ask hook
         ``kvguard_inject_connector_fault`` first
-    ``Scheduler.update_from_output`` -> hook ``kvguard_inject_load_failure`` (the worker's
+    ``Scheduler.update_from_output`` -> hook ``kvguard_inject_freeze`` (the step blocks
+        forever: a frozen EngineCore), then ``kvguard_inject_load_failure`` (the worker's
         report of this step's KV loads, with some of them failed)
 Run-time changes
     ``KVConnectorBase_V1`` methods per scheduler-side connector: the faulting shadow.
@@ -51,6 +52,7 @@ def connector_init(call: HostCall):
 
 @hooked(NAME)
 def update_from_output(call: HostCall):
+    hook().kvguard_inject_freeze(scheduler=call.instance)
     mro = hook().kvguard_inject_load_failure(
         scheduler=call.instance, scheduler_output=call.arg(0, "scheduler_output"),
         model_runner_output=call.arg(1, "model_runner_output"))
@@ -96,7 +98,7 @@ def _teardown():
 
 PATCH = Patch(
     name=NAME,
-    summary="test-only allocator / KV connector fault injection (KVGUARD_FAULTS)",
+    summary="test-only allocator / KV connector / frozen-step fault injection (KVGUARD_FAULTS)",
     targets=[Target("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", get_new_blocks),
              Target(BASE, "KVConnectorBase_V1.__init__", connector_init),
              Target("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",

@@ -33,9 +33,9 @@ Targets (each declares its own range below; all optional except the scheduler's)
         line ignore speculative blocks and the null block).
         Remove when: vLLM's "Maximum concurrency" line and its Mamba FULL-decode check
         count speculative blocks, the null block and attention groups.
-        The same hook -> :mod:`vllm_kvguard.fixes.estimation.admission`: the largest admissible
-        request, stated and published for the door (:mod:`vllm_kvguard.patches.admission`)
-        and the liveness guard.
+        The same hook -> :mod:`vllm_kvguard.fixes.estimation.certificate`: the prompt and
+        total limits of vLLM's own admission path, stated and published for the door
+        (:mod:`vllm_kvguard.patches.admission`); the liveness guard uses the same.
 Why
     Estimates that forget speculative decoding pass the check and then overflow the
     pool (TensorRT-LLM "count spec extra tokens in warmup block estimates"; vllm#51438).
@@ -109,20 +109,21 @@ def scheduler_init(call: HostCall):
     sched = call.instance
     lines = []
     for part in hook().kvguard_startup_report(vllm_config=sched.vllm_config,
-                                              kv_cache_config=sched.kv_cache_config):
+                                              kv_cache_config=sched.kv_cache_config,
+                                              scheduler=sched):
         lines.extend(part or ())
     if lines:
         once(logging.INFO, ("startup-report",), "%s", "\n".join(lines))
 
 
 def _setup(flags):
-    from vllm_kvguard.fixes.estimation import admission, capacity, estimate, warmup_guard
+    from vllm_kvguard.fixes.estimation import capacity, certificate, estimate, warmup_guard
     from vllm_kvguard.manager import register
 
     register(estimate, "kvguard.estimate")
     register(warmup_guard, "kvguard.warmup_guard")
     register(capacity, "kvguard.capacity")
-    register(admission, "kvguard.admission")
+    register(certificate, "kvguard.certificate")
 
 
 def _teardown():
@@ -130,7 +131,7 @@ def _teardown():
     from vllm_kvguard.manager import unregister
 
     for name in ("kvguard.estimate", "kvguard.warmup_guard", "kvguard.capacity",
-                 "kvguard.admission"):
+                 "kvguard.certificate"):
         unregister(name)
     admission.clear_published()
 
@@ -153,7 +154,18 @@ PATCH = Patch(
                   ">=0.34"),
           Private(COMMITTABLE_MODULE, "", ("num_committable_kv_blocks",), ">=0.34"),
           Private("vllm.v1.worker.gpu.model_runner", "GPUModelRunner",
-                  ("extensible_kv_cache", "speculator"), ">=0.34")),
+                  ("extensible_kv_cache", "speculator"), ">=0.34"),
+          # the certificate calls vLLM's admission count on the scheduler's own managers
+          Private("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("coordinator",)),
+          Private("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+                  ("single_type_managers", "get_num_blocks_to_allocate")),
+          Private("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager",
+                  ("req_to_blocks", "get_num_blocks_to_allocate")),
+          Private("vllm.v1.core.sched.scheduler", "Scheduler",
+                  ("kv_cache_manager", "max_num_scheduled_tokens")),
+          Private("vllm.v1.core.sched.scheduler", "Scheduler",
+                  ("scheduler_reserve_full_isl", "need_mamba_block_aligned_split",
+                   "_mamba_block_aligned_split"), ">=0.32")),
     vllm_versions=">=0.27.1,<0.35",
     upstream=("vllm#51438", "vllm#50531", "vllm#37521"),
     remove_when="vLLM's V2 warmup bounds its block ids and cleans up on failure, "

@@ -80,7 +80,7 @@ def _export_metrics() -> None:
         from vllm_kvguard import metrics, report
 
         kind = process.kind()
-        metrics.setup(make_dir=kind != "worker")
+        metrics.setup()
         report.set_gauge("active_processes", {kind: 1})
     except Exception as exc:  # fail open: metrics are a view, never a reason to stop
         logger.warning("vllm-kvguard: metrics export off (%s: %s)", type(exc).__name__, exc)

@@ -12,6 +12,8 @@
                                ``rate=0.1,seed=3,after=20``; ``phase=`` one of
                                :data:`FAULT_PHASES` (default ``allocator``). Loudly logged.
 ``KVGUARD_LIVENESS_STEPS``     steps a waiting request may stall before it is reported (default 64; never failed).
+``KVGUARD_HEALTH_STALL_S``     seconds EngineCore may hold work without completing a step before
+                               ``/health`` answers 503 (default 300; ``health`` patch).
 ``KVGUARD_ADMISSION``          ``0``/``off``: leave out the ``admission`` patch (requests that can
                                never fit are not refused at the door: vLLM's behaviour).
 ``KVGUARD_CUDAGRAPH_COMPLETE`` ``1``: extend CUDA-graph capture to every reachable decode shape;
@@ -31,12 +33,16 @@ ON = ("1", "on", "true", "yes")
 OFF = ("", "0", "off", "false", "no")
 
 #: Names a user may put in KVGUARD_PATCHES. ``faults`` is enabled by KVGUARD_FAULTS instead.
-PATCH_NAMES = ("allocator", "warmup", "cudagraph", "admission", "containment")
+PATCH_NAMES = ("allocator", "warmup", "cudagraph", "admission", "containment", "health")
 
 #: Where an injected fault fires: ``BlockPool.get_new_blocks``, the scheduler-side KV
 #: connector's ``get_num_new_matched_tokens`` / ``update_state_after_alloc``, or a KV load
-#: the worker reports failed (its blocks in ``invalid_block_ids``).
-FAULT_PHASES = ("allocator", "lookup", "update", "load")
+#: the worker reports failed (its blocks in ``invalid_block_ids``), or ``freeze``:
+#: EngineCore's step blocks forever in ``Scheduler.update_from_output`` (a frozen step).
+FAULT_PHASES = ("allocator", "lookup", "update", "load", "freeze")
+#: KVGUARD_HEALTH_STALL_S's default: vLLM's own limit on one step
+#: (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300), far above any step measured (docs/health.md).
+HEALTH_STALL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Flags:
     audit: bool = False
     faults: FaultSpec | None = None
     liveness_steps: int = 64
+    health_stall_s: float = HEALTH_STALL_S
     cudagraph_complete: bool = False
     cudagraph_complete_force: bool = False
     errors: tuple[str, ...] = field(default_factory=tuple)
@@ -159,6 +166,18 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
             errors.append(f"KVGUARD_LIVENESS_STEPS={raw!r} is not a whole number >= 1; using 64")
             liveness = 64
 
+    stall = HEALTH_STALL_S
+    raw = env.get("KVGUARD_HEALTH_STALL_S", "").strip()
+    if raw:
+        try:
+            stall = float(raw)
+            if not 1.0 <= stall < float("inf"):
+                raise ValueError
+        except ValueError:
+            errors.append(f"KVGUARD_HEALTH_STALL_S={raw!r} is not a number of seconds >= 1; "
+                          f"using {HEALTH_STALL_S:.0f}")
+            stall = HEALTH_STALL_S
+
     complete = env.get("KVGUARD_CUDAGRAPH_COMPLETE", "").strip().lower()
     complete_force = complete == "force"
     if complete_force:
@@ -175,6 +194,7 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
         audit=_bool(env, "KVGUARD_AUDIT", errors),
         faults=faults,
         liveness_steps=liveness,
+        health_stall_s=stall,
         cudagraph_complete=_bool(env, "KVGUARD_CUDAGRAPH_COMPLETE", errors),
         cudagraph_complete_force=complete_force,
         errors=tuple(errors),

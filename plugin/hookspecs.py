@@ -45,6 +45,12 @@ def kvguard_inject_connector_fault(connector, phase, request):
     ``update_state_after_alloc``) on ``request`` (test-only), or None."""
 
 
+@hookspec
+def kvguard_inject_freeze(scheduler):
+    """``Scheduler.update_from_output`` is about to run (one step completing): block here,
+    forever, to freeze EngineCore's step (test-only ``KVGUARD_FAULTS=phase=freeze``)."""
+
+
 @hookspec(firstresult=True)
 def kvguard_inject_load_failure(scheduler, scheduler_output, model_runner_output):
     """Return ``model_runner_output`` with KV loads of this step reported failed (their
@@ -91,6 +97,21 @@ def kvguard_worker_env_vars(environ):
     ``KVGUARD*`` variable (:mod:`vllm_kvguard.fixes.worker_env`)."""
 
 
+# --------------------------------------------------------------------------- health
+@hookspec
+def kvguard_engine_core_started(engine_core):
+    """An ``EngineCoreProc`` (one per data-parallel rank) enters its busy loop. Ours: its
+    heartbeat is offered to the front end (:mod:`vllm_kvguard.fixes.health.heartbeat`)."""
+
+
+@hookspec(firstresult=True)
+def kvguard_check_health(engine):
+    """vLLM's ``AsyncLLM.check_health`` found ``engine`` alive: return a short reason
+    (str) to answer unhealthy (vLLM's ``EngineDeadError`` path: ``/health`` 503), or
+    None. Ours: a stalled or wedged EngineCore (:mod:`vllm_kvguard.fixes.health.verdict`).
+    An implementation must not raise (ours log once and answer None)."""
+
+
 # --------------------------------------------------------------------------- estimation
 @hookspec(firstresult=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,
@@ -124,9 +145,9 @@ def kvguard_dummy_sampler_run(runner, call):
 
 
 @hookspec
-def kvguard_startup_report(vllm_config, kv_cache_config):
+def kvguard_startup_report(vllm_config, kv_cache_config, scheduler):
     """Return report lines (list of str) to log once per process, after a ``Scheduler``
-    is built."""
+    is built (``scheduler``: that scheduler; None where the report is asked without one)."""
 
 
 # --------------------------------------------------------------------------- cudagraph

@@ -12,38 +12,34 @@ the same registry. :func:`setup` registers one collector there (no HTTP server o
     requests the liveness guard sees waiting, not failed, by cause
 ``kvguard_active_processes{role=...}`` (a gauge)
     processes with the plugin active, by role (``worker``: one per TP/PP rank)
+``kvguard_seconds_since_step{engine=...}``, ``kvguard_engine_wedged{engine=..., cause=...}``,
+``kvguard_longest_step_seconds{engine=...}``, ``kvguard_health_unhealthy{reason=...}``
+    (gauges; ``health`` patch) per EngineCore (``engine``: its data-parallel rank):
+    seconds it has held work without completing a step (0 idle), whether its queue is
+    wedged and why, its longest step; whether ``/health`` answers 503 and why
+    (:mod:`vllm_kvguard.fixes.health.verdict`)
 
 Counts happen where vLLM runs the code (EngineCore, workers); ``/metrics`` is served by the
 front end, which adds the other processes' counters fetched through vLLM's own
 ``collective_rpc`` (:mod:`vllm_kvguard.remote`) to its own. A process that is gone is
 simply not asked: its gauges disappear with it.
 
-The directory ``KVGUARD_METRICS_DIR`` carries only the admission certificate from
-EngineCore to the front end on the same node. The first front-end process makes it
-(workers never do) and removes it at exit; a creator that was killed cannot, so the next
-one removes every ``kvguard-metrics-<pid>-*`` directory of the temp dir whose ``<pid>`` is gone.
+No file and no directory: the admission limits travel in the same reply (JSON numbers).
 
 Limit: with ``--api-server-count`` > 1 vLLM serves only prometheus_client's multiprocess
 files, which this collector does not write; the counters are then in the logs only.
 """
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
 import threading
 from collections import defaultdict
 
-ENV_DIR = "KVGUARD_METRICS_DIR"
 FALLBACK_METRIC = "kvguard_cudagraph_fallbacks"
 EVENTS_METRIC = "kvguard_events"
 REFRESH_METRIC = "kvguard_remote_refreshes"
-PREFIX = "kvguard-metrics-"
 
 _lock = threading.Lock()
-_state: dict = {"dir": None, "created": False, "collector": None, "registry": None,
-                "atexit": False}
+_state: dict = {"collector": None, "registry": None}
 
 
 FALLBACK_CATEGORY = "cudagraph_fallback"
@@ -73,6 +69,7 @@ class KvguardCollector:
             families.append(CounterMetricFamily(
                 REFRESH_METRIC, "Completed fetches of the engine processes' vllm-kvguard "
                 "counters (vllm-kvguard)", value=float(refreshes)))
+        families.extend(health_families())
         return families
 
     @staticmethod
@@ -105,24 +102,40 @@ class KvguardCollector:
 GAUGE_LABELS = {"waiting_requests": "cause", "active_processes": "role"}
 
 
-def setup(registry=None, make_dir: bool = True) -> None:
-    """Create/inherit the certificate directory (``make_dir``: this process may create
-    it; workers may not) and register the collector. Idempotent."""
+def health_families() -> list:
+    """The health verdict's gauges, per EngineCore (none while the patch is off)."""
+    import sys
+
+    verdict = sys.modules.get("vllm_kvguard.fixes.health.verdict")
+    if verdict is None or verdict.live() is None:
+        return []
+    from prometheus_client.core import GaugeMetricFamily
+
+    since = GaugeMetricFamily("kvguard_seconds_since_step", "Seconds EngineCore has held "
+                              "work without completing a step, 0 when idle (vllm-kvguard)",
+                              labels=["engine"])
+    wedged = GaugeMetricFamily("kvguard_engine_wedged", "1 while EngineCore's queue is "
+                               "wedged for this cause (vllm-kvguard)", labels=["engine", "cause"])
+    longest = GaugeMetricFamily("kvguard_longest_step_seconds", "EngineCore's longest step "
+                                "with work so far (vllm-kvguard)", labels=["engine"])
+    unhealthy = GaugeMetricFamily("kvguard_health_unhealthy", "1 while /health answers 503, "
+                                  "by reason (vllm-kvguard)", labels=["reason"])
+    for row in verdict.rows():
+        since.add_metric([row["engine"]], float(row["seconds_since_step"]))
+        for cause in verdict.WEDGED_CAUSES:
+            wedged.add_metric([row["engine"], cause], float(row["wedged"] == cause))
+        longest.add_metric([row["engine"]], float(row["longest_s"] or 0.0))
+    bad = verdict.reasons()
+    for reason in ("stalled", "wedged"):
+        unhealthy.add_metric([reason], float(reason in bad))
+    return [since, wedged, longest, unhealthy]
+
+
+def setup(registry=None) -> None:
+    """Register the collector (in prometheus_client's default registry). Idempotent."""
     with _lock:
         if _state["collector"] is not None:
             return
-        directory = os.environ.get(ENV_DIR)
-        if (not directory or not os.path.isdir(directory)) and make_dir:
-            sweep_stale()
-            directory = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
-            os.environ[ENV_DIR] = directory
-            _state["created"] = True
-        elif not directory or not os.path.isdir(directory):
-            directory = None
-        _state["dir"] = directory
-        if not _state["atexit"]:
-            atexit.register(_at_exit)
-            _state["atexit"] = True
         try:
             if registry is None:
                 from prometheus_client import REGISTRY as registry
@@ -133,48 +146,8 @@ def setup(registry=None, make_dir: bool = True) -> None:
         _state["collector"], _state["registry"] = collector, registry
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:              # another user's process: alive
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def sweep_stale(parent: str | None = None) -> list[str]:
-    """Remove snapshot directories whose creator is gone; return their paths."""
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len(PREFIX):].partition("-")[0]
-        if not name.startswith(PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        path = os.path.join(parent, name)
-        try:
-            if os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def directory() -> str | None:
-    """The snapshot directory of this process tree (None before :func:`setup`)."""
-    return _state["dir"] or os.environ.get(ENV_DIR) or None
-
-
 def teardown() -> None:
-    """Unregister the collector, forget the engines, remove a directory this process made."""
+    """Unregister the collector and forget the engines."""
     from vllm_kvguard import remote
 
     remote.reset()
@@ -184,11 +157,7 @@ def teardown() -> None:
                 _state["registry"].unregister(_state["collector"])
             except KeyError:
                 pass
-        if _state["created"] and _state["dir"]:
-            shutil.rmtree(_state["dir"], ignore_errors=True)
-            if os.environ.get(ENV_DIR) == _state["dir"]:
-                del os.environ[ENV_DIR]
-        _state.update(dir=None, created=False, collector=None, registry=None)
+        _state.update(collector=None, registry=None)
 
 
 def totals(others: list[dict] | None = None) -> dict[str, dict[str, int]]:
@@ -218,8 +187,3 @@ def _merged(own: dict, others: list[dict]) -> dict[str, dict[str, int]]:
             for reason, n in reasons.items():
                 merged[cat][reason] += int(n)
     return {cat: dict(r) for cat, r in merged.items()}
-
-
-def _at_exit() -> None:
-    if _state["created"] and _state["dir"]:
-        shutil.rmtree(_state["dir"], ignore_errors=True)

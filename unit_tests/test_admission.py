@@ -1,11 +1,18 @@
-"""Admission certificate and the door (fixes/admission.py, patches/admission.py) on REAL
-vLLM objects: a scheduler publishes its certificate at construction, and vLLM's own
-``InputProcessor`` refuses a request that can never fit before it reaches EngineCore.
+"""The door (fixes/estimation/admission.py, patches/admission.py) and the hand-off of the
+admission limits on REAL vLLM objects: a scheduler publishes its limits at construction,
+they reach a front end in another process as JSON numbers in the counters'
+``collective_rpc`` reply (validated on receipt; the tightest of several engines), and
+vLLM's own ``InputProcessor`` refuses a request that can never fit before EngineCore.
 
-Pool: 16 usable blocks of 16 tokens. 200 prompt tokens + 57 output tokens compute 256
-tokens (the last sampled token is never computed) and fit; + 58 never fit.
+Pool: 16 usable blocks of 16 tokens. A prompt of at most 256 tokens is admitted;
+200 prompt tokens + 57 output tokens complete (the last sampled token is never
+computed), + 58 never do.
 """
 from __future__ import annotations
+
+import asyncio
+import json
+import logging
 
 import pytest
 
@@ -13,9 +20,13 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_manager  # noqa: E402,F401  (loaded: patches apply at once)
 
-from vllm_kvguard import activation, report  # noqa: E402
+from vllm_kvguard import activation, remote, report  # noqa: E402
 from vllm_kvguard.fixes.estimation import admission  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import make_scheduler, make_vllm_config  # noqa: E402
+
+LIMITS = {"prompt_limit": 256, "total_limit": 257, "max_model_len": 512, "usable": 16,
+          "prompt_group": "group 0 (full attention)", "total_group": "group 0 (full attention)",
+          "statement": "largest admissible request: prompt + max_tokens <= 257 tokens"}
 
 
 def processor(config):
@@ -24,7 +35,7 @@ def processor(config):
     return InputProcessor(config)
 
 
-def submit(proc, rid: str, prompt_len: int, max_tokens: int):
+def submit(proc, rid: str, prompt_len: int, max_tokens: int | None):
     from vllm import SamplingParams
 
     return proc.process_inputs(rid, {"prompt_token_ids": list(range(3, 3 + prompt_len))},
@@ -32,97 +43,206 @@ def submit(proc, rid: str, prompt_len: int, max_tokens: int):
                                supported_tasks=("generate",))
 
 
+def entry(pid: int, limits) -> dict:
+    """An EngineCore entry as it arrives through ``collective_rpc`` (JSON round trip)."""
+    return json.loads(json.dumps({"pid": pid, "role": "EngineCore", "counts": {},
+                                  "gauges": {}, "offers": {admission.KEY: limits}}))
+
+
+class SyncEngine:
+    """Stands in for ``LLMEngine``: answers ``collective_rpc("kvguard_snapshot")``."""
+
+    def __init__(self, reply):
+        self.reply, self.asked = reply, 0
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == remote.METHOD
+        self.asked += 1
+        return self.reply
+
+
+def front_end(*engines) -> None:
+    """This process as an API server: only the door patch, nothing published here."""
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission"})
+    admission.clear_published()
+    for engine in engines:
+        remote.attach(engine, is_async=False)
+
+
 def test_the_scheduler_publishes_and_the_door_refuses_with_numbers():
     activation.activate({"KVGUARD": "1"})
     make_scheduler(num_gpu_blocks=17)                     # EngineCore's startup
-    cert = admission.published()
-    assert cert is not None and cert.largest == 256 and cert.usable == 16
+    limits = admission.published()
+    assert limits is not None and json.loads(json.dumps(limits)) == limits
+    assert (limits["prompt_limit"], limits["total_limit"], limits["usable"]) == (256, 257, 16)
     proc = processor(make_vllm_config(num_gpu_blocks=17))
     assert submit(proc, "fits", 200, 57).request_id == "fits"
+    assert submit(proc, "longest", 256, 1).request_id == "longest"
     with pytest.raises(ValueError) as err:
         submit(proc, "over", 200, 58)
     msg = str(err.value)
     assert "request over can never fit the KV cache" in msg
-    assert "at 257 tokens it holds at least 17 blocks (group 0: 17" in msg
-    assert "16 usable blocks" in msg and "prompt + max_tokens <= 257 tokens" in msg
-    assert "max_tokens <= 57 would fit" in msg
-    with pytest.raises(ValueError, match="its prompt alone cannot fit"):
+    assert "prompt 200 + max_tokens 58 = 258 tokens, and at most 257 can ever complete" in msg
+    assert "max_tokens <= 57 would fit" in msg and "what binds it: " in msg
+    assert "16 usable blocks" in msg and "gpu_memory_utilization" in msg
+    assert getattr(err.value, "parameter", "max_tokens") == "max_tokens"
+    with pytest.raises(ValueError) as err:
         submit(proc, "long", 300, 4)
+    assert "the prompt alone cannot be admitted: at most 256 tokens here" in str(err.value)
+    assert "this prompt has 300" in str(err.value)
     assert report.snapshot()["admission"] == {"refused": 2}
 
 
-def test_without_the_patch_or_a_certificate_vllm_decides():
+def test_unset_max_tokens_is_what_vllm_makes_it():
+    """vLLM sets ``max_tokens`` to ``max_model_len - prompt`` (512 - 200 = 312)."""
+    activation.activate({"KVGUARD": "1"})
+    make_scheduler(num_gpu_blocks=17)
+    with pytest.raises(ValueError, match="max_tokens 312 = 512 tokens.*max_tokens <= 57"):
+        submit(processor(make_vllm_config(num_gpu_blocks=17)), "unset", 200, None)
+    with pytest.raises(ValueError, match="max_tokens 312 = 512"):
+        admission.check(LIMITS, "direct", 200, None)
+
+
+def test_check_at_the_edges():
+    admission.check(LIMITS, "r", 256, 1)                  # both limits exactly
+    tight = {**LIMITS, "prompt_limit": 300}               # a prompt no token can follow
+    with pytest.raises(admission.Refused, match="prompt alone cannot be admitted: at most "
+                                                "256 tokens here, this prompt has 257"):
+        admission.check(tight, "r", 257, 1)
+    assert report.snapshot()["admission"] == {"refused": 1}
+
+
+def test_without_the_patch_or_limits_vllm_decides():
     activation.activate({"KVGUARD": "1", "KVGUARD_ADMISSION": "off"})
     make_scheduler(num_gpu_blocks=17)
     proc = processor(make_vllm_config(num_gpu_blocks=17))
     assert submit(proc, "over", 200, 58).request_id == "over"     # vLLM accepts it
     activation.deactivate()
-    admission.clear_published()
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission"})   # no startup
-    assert admission.published() is None                          # report: nothing known
+    front_end()                                                   # no engine answers
+    assert admission.published() is None
     assert submit(processor(make_vllm_config(num_gpu_blocks=17)), "over", 200, 58)
 
 
-def test_the_certificate_crosses_processes_through_the_metrics_directory(tmp_path,
-                                                                         monkeypatch):
-    """The front end is another process: it reads the pickled certificate EngineCore
-    wrote beside its metrics snapshot; a foreign or broken file is ignored."""
-    from vllm_kvguard import metrics
+def test_the_limits_cross_processes_as_json_through_collective_rpc():
+    """EngineCore's reply to ``kvguard_snapshot`` carries its limits; the front end (here:
+    this process with nothing published, ``LLMEngine`` asked once) refuses with them."""
 
-    monkeypatch.setattr(metrics, "directory", lambda: str(tmp_path))
+    class Core:
+        class model_executor:                              # noqa: N801  (no workers)
+            @staticmethod
+            def collective_rpc(method, timeout=None):
+                return []
+
     activation.activate({"KVGUARD": "1"})
-    make_scheduler(num_gpu_blocks=17)
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 1 and files[0].endswith(admission.SUFFIX)
-    (tmp_path / f"999{admission.SUFFIX}").write_bytes(b"not a pickle")
-    admission.clear_published()                           # as in the front-end process
-    cert = admission.published()
-    assert cert is not None and cert.largest == 256
-    with pytest.raises(ValueError, match="can never fit"):
-        admission.door_check("r", 200, 58)
-    admission.door_check("r", 200, 57)
-
-
-def test_a_front_end_that_builds_no_scheduler_refuses_at_its_door(tmp_path, monkeypatch):
-    """``vllm serve``'s API server: only the ``admission`` patch wraps there (no scheduler,
-    no startup report); the certificate comes from EngineCore's file, and vLLM's own
-    ``InputProcessor`` refuses the request."""
-    from vllm_kvguard import metrics
-
-    monkeypatch.setattr(metrics, "directory", lambda: str(tmp_path))
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
-    admission.publish(admission.of_scheduler(make_scheduler(num_gpu_blocks=17)))  # EngineCore
+    make_scheduler(num_gpu_blocks=17)                      # EngineCore
+    reply = json.loads(json.dumps(remote.engine_reply(Core())))   # msgpack-able, no code
+    sent = reply[0]["offers"][admission.KEY]
+    assert admission.validated(sent) == sent and sent["total_limit"] == 257
     activation.deactivate()
-    admission.clear_published()
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission"})
+    reply[0]["pid"] = 999_999                              # another process
+    engine = SyncEngine(reply)
+    front_end(engine)
     proc = processor(make_vllm_config(num_gpu_blocks=17))
     with pytest.raises(ValueError, match="request over can never fit the KV cache"):
         submit(proc, "over", 200, 58)
     assert submit(proc, "fits", 200, 57).request_id == "fits"
+    assert engine.asked == 1                               # asked once, then kept
 
 
-@pytest.mark.parametrize("blocks, block_size", [(9, 16), (17, 16), (30, 16), (5, 32),
-                                               (12, 32)])
-def test_the_certificate_equals_the_allocator_on_an_empty_pool(blocks, block_size):
-    """At and one over the certificate, a request's whole computed sequence on an empty
-    pool: the real KVCacheManager allocates the first and refuses the second."""
-    from vllm_kvguard.testing.kv_fixtures import make_request
+@pytest.mark.parametrize("bad", [
+    "not a dict", {**LIMITS, "prompt_limit": "256"}, {**LIMITS, "total_limit": True},
+    {**LIMITS, "usable": -1}, {**LIMITS, "total_limit": 513}, {**LIMITS, "max_model_len": 0},
+    {k: v for k, v in LIMITS.items() if k != "statement"}, {**LIMITS, "statement": None},
+    {**LIMITS, "prompt_limit": 1.5}, {"__reduce__": "os.system"}])
+def test_a_malformed_entry_is_ignored_with_one_info_line(bad, kvguard_log):
+    good = {**LIMITS, "total_limit": 300}
+    engine = SyncEngine([entry(101, bad), entry(102, good), entry(103, bad)])
+    front_end(engine)                                      # (remote holds it weakly)
+    assert admission.published() == good
+    assert admission.published() == good
+    said = [m for m in kvguard_log.lines(logging.INFO) if "malformed" in m]
+    assert len(said) == 1 and "ignored" in said[0], said
+    admission.clear_published()
+    remote.reset()
+    engine = SyncEngine([entry(104, bad)])
+    front_end(engine)
+    assert admission.published() is None                  # nothing valid: vLLM decides
+    admission.door_check("r", 10_000, 10_000)
 
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
-    largest = None
-    for n in (None, 1):
-        sched = make_scheduler(num_gpu_blocks=blocks, block_size=block_size)
-        cert = admission.of_scheduler(sched)
-        largest = cert.largest if largest is None else largest
-        tokens = largest + (n or 0)
-        req = make_request(f"r{tokens}", list(range(3, 3 + tokens)), max_tokens=1)
-        got = sched.kv_cache_manager.allocate_slots(req, tokens)
-        assert (got is not None) == (n is None), (blocks, block_size, tokens)
-    assert largest == (blocks - 1) * block_size
+
+def test_with_data_parallelism_the_door_uses_the_tightest_engine():
+    """Two engines (an ``AsyncLLM`` client's ``call_utility_all_async``: one reply each):
+    the smaller prompt limit of one and the smaller total of the other, each with its
+    binding group."""
+    one = {**LIMITS, "prompt_limit": 200, "total_limit": 400, "usable": 30,
+           "prompt_group": "group 1 (sliding window 32)", "total_group": "group 0 (full)"}
+    two = {**LIMITS, "prompt_limit": 256, "total_limit": 257, "usable": 16,
+           "prompt_group": "group 0 (full)", "total_group": "group 2 (mamba)"}
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        async def call_utility_all_async(self, method, *args):
+            self.calls.append((method, args[0]))
+            await asyncio.sleep(0.05)                      # the engines take a while
+            return [[entry(201, one)], [entry(202, two), {"pid": 203, "role": "worker"}]]
+
+    class AsyncEngine:
+        errored = False
+
+        def __init__(self):
+            self.engine_core = Client()
+
+    async def main():
+        engine = AsyncEngine()
+        front_end()
+        remote.attach(engine, is_async=True)               # inside the loop, like AsyncLLM
+        assert admission.published() is None               # no reply yet
+        await remote.first_reply(engine)                   # what add_request awaits
+        limits = admission.published()
+        engine.errored = True
+        return engine, limits
+
+    engine, limits = asyncio.run(asyncio.wait_for(main(), 30))
+    assert engine.engine_core.calls[0] == ("collective_rpc", remote.METHOD)
+    assert (limits["prompt_limit"], limits["prompt_group"]) == (200, one["prompt_group"])
+    assert (limits["total_limit"], limits["total_group"]) == (257, two["total_group"])
+    assert limits["usable"] == 16
+    with pytest.raises(admission.Refused, match="at most 200 tokens here.*what binds it: "
+                                                "group 1 \\(sliding window 32\\)"):
+        admission.check(limits, "r", 201, 1)
+    with pytest.raises(admission.Refused, match="what binds it: group 2 \\(mamba\\)\\); "
+                                                "max_tokens <= 57 would fit"):
+        admission.check(limits, "r", 200, 58)
 
 
-def test_a_pool_that_holds_max_model_len_certifies_it():
-    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "none"})
-    cert = admission.of_scheduler(make_scheduler(num_gpu_blocks=64))
-    assert cert.largest == cert.max_model_len == 512
-    assert "prompt + max_tokens <= 512 tokens" in cert.statement()
+def test_the_first_request_after_start_waits_for_the_first_reply():
+    """``AsyncLLM.add_request`` (the door patch's wrapper) before the engine's first reply
+    has arrived: it waits for it, so even the first request is checked."""
+    from vllm_kvguard.patches.admission import add_request
+
+    class AsyncEngine:
+        errored = False
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            await asyncio.sleep(0.05)
+            return [entry(301, LIMITS)]
+
+    async def original_add_request(request_id, prompt_len, max_tokens):
+        admission.door_check(request_id, prompt_len, max_tokens)     # process_inputs
+        return request_id
+
+    async def main():
+        engine = AsyncEngine()
+        front_end()
+        remote.attach(engine, is_async=True)
+        first = add_request(original_add_request, engine, ("first", 200, 58), {})
+        with pytest.raises(admission.Refused, match="max_tokens <= 57 would fit"):
+            await first
+        assert remote.first_reply_ended(engine)
+        ok = await add_request(original_add_request, engine, ("second", 200, 57), {})
+        engine.errored = True
+        return ok
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == "second"

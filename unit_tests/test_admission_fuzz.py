@@ -2,10 +2,11 @@
 
 One to three KV-cache groups (full attention, sliding window, chunked local, Mamba
 none/all/align with speculative blocks) on one shared pool, a lookahead, a
-``max_model_len`` and a pool size drawn by hypothesis. The certificate's ``largest`` is a
-claim about the least a request can hold: a request that decodes one token per step (the
-path that frees the most: every earlier token computed) must allocate every step up to
-``largest`` computed tokens on an empty pool and must fail at the next one.
+``max_model_len`` and a pool size drawn by hypothesis. The certificate's ``decode_limit``
+is a claim about the least a request can hold: a request that decodes one token per step
+(the path that frees the most: every earlier token computed) must allocate every step up
+to ``decode_limit`` computed tokens on an empty pool and must fail at the next one. (What
+the scheduler admits is proven on the real Scheduler: test_admission_scheduler.py.)
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from vllm_kvguard import activation  # noqa: E402
-from vllm_kvguard.fixes.estimation.admission import Certificate  # noqa: E402
+from vllm_kvguard.fixes.estimation.certificate import Certificate, Schedule  # noqa: E402
 from vllm_kvguard.testing.estimate_fixtures import (allocate, make_manager,  # noqa: E402
                                                     make_request, spec_chunked, spec_class,
                                                     spec_full, spec_mamba, spec_swa)
@@ -55,14 +56,14 @@ def test_the_certificate_is_what_the_allocator_admits(e):
     specs = [build(kind, e["bs"], extra, nsb) for kind, extra, nsb in e["groups"]]
     mml, k = e["mml"], e["k"]
     full = Certificate(groups=tuple(enumerate(specs)), usable=1 << 20, max_model_len=mml,
-                       lookahead=k)
+                       schedule=Schedule(budget=1), lookahead=k)
     # a pool around what a request of a random length needs, so both outcomes occur
-    num_blocks = max(2, full.need(max(1, mml // 2)) + 1 + e["spare"])
+    num_blocks = max(2, full.decode_need(max(1, mml // 2)) + 1 + e["spare"])
     cert = Certificate(groups=tuple(enumerate(specs)), usable=num_blocks - 1,
-                       max_model_len=mml, lookahead=k)
+                       max_model_len=mml, schedule=Schedule(budget=1), lookahead=k)
     manager = make_manager(specs, num_blocks=num_blocks, max_model_len=mml)
     req = make_request("r", 1)
-    largest = cert.largest
+    largest = cert.decode_limit
     computed = 0
     while computed < mml:
         ok = allocate(manager, req, 1, k=k) is not None

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIX_GROUPS = ("transaction", "estimation", "cudagraph", "containment")
+FIX_GROUPS = ("transaction", "estimation", "cudagraph", "containment", "health")
 FOLDERS = {"plugin": "vllm_kvguard", "plugin/fixes": "vllm_kvguard.fixes",
            **{f"plugin/fixes/{g}": f"vllm_kvguard.fixes.{g}" for g in FIX_GROUPS},
            "plugin/tools": "vllm_kvguard.tools", "plugin/testing": "vllm_kvguard.testing",

@@ -79,8 +79,8 @@ def test_guard_finishes_the_never_fitting_head_at_once(kvguard_log):
     assert finished == {"big": "error"}
     assert not any(scheduled)
     assert "big" not in sched.requests                  # freed through finish_requests
-    line = next(line for line in kvguard_log.lines() if "can never fit" in line)
-    assert "request big" in line and "at 400 tokens it holds at least 25 blocks" in line
+    line = next(line for line in kvguard_log.lines() if "can never be scheduled" in line)
+    assert "request big" in line and "computing token 400 holds at least 25 blocks" in line
     assert "16 usable blocks" in line and "prompt + max_tokens <= 257 tokens" in line
     assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
     if "big" in ERRORS:                                  # the client gets the message too
@@ -104,14 +104,14 @@ def test_the_certificate_is_the_exact_boundary(max_tokens, fits):
     """200 prompt tokens on a 256-token pool: 57 output tokens need 256 tokens of KV (the
     last sampled token is never computed) and complete; 58 need 257, never fit, and vLLM
     alone preempts the request and can never readmit it."""
-    from vllm_kvguard.fixes.estimation import admission
+    from vllm_kvguard.fixes.estimation import certificate
 
     results = {}
     for on in (False, True):
         _activate(on)
         sched = make_scheduler(num_gpu_blocks=17)
-        cert = admission.of_scheduler(sched)
-        assert cert.largest == 256 and cert.usable == 16
+        cert = certificate.of_scheduler(sched)
+        assert (cert.prompt_limit, cert.total_limit, cert.usable) == (256, 257, 16)
         sched.add_request(make_request("edge", prompt(3, 200), max_tokens=max_tokens))
         finished, _ = run(sched, 3 * max_tokens)
         results[on] = finished.get("edge")

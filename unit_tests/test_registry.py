@@ -120,7 +120,7 @@ def test_startup_report_is_one_line_naming_version_and_patches(kvguard_log):
     lines = [m for m in kvguard_log.lines(logging.INFO) if "active in" in m]
     assert len(lines) == 1 and len(lines[0]) < 200, lines
     assert "vLLM 0." in lines[0] and "on: allocator;" in lines[0]
-    assert "off: warmup, cudagraph, admission, containment (not chosen)" in lines[0]
+    assert "off: warmup, cudagraph, admission, containment, health (not chosen)" in lines[0]
     assert lines[0].endswith("; distributed always on"), lines[0]
     counts = [m for m in kvguard_log.lines(logging.DEBUG) if "targets wrapped" in m]
     assert counts == ["vllm-kvguard: 6 targets wrapped, 0 more when vLLM loads their module; "

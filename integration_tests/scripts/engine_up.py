@@ -1,6 +1,6 @@
 """Start a real multiprocess engine with the plugin on, print one JSON line, wait on stdin.
 
-The line: the certificate directory, and what the front end gets from its engine through
+The line: what the front end gets from its engine through
 vLLM's ``collective_rpc`` (every process's entry; the summed counters and gauges). The
 test kills processes of this tree (SIGKILL: no exit handlers) or lets it exit.
 
@@ -18,7 +18,7 @@ if __name__ == "__main__":
     extra = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     llm = LLM(**engine_kwargs(write_model("llama"), **extra))
     entries = remote.entries()
-    print("ENGINE " + json.dumps({"dir": metrics.directory(), "entries": entries,
+    print("ENGINE " + json.dumps({"entries": entries,
                                   "totals": metrics.totals(entries),
                                   "gauges": metrics.gauge_totals(entries)}), flush=True)
     sys.stdin.readline()

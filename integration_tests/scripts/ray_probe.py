@@ -27,7 +27,7 @@ def after(wrapper):
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()                       # what WorkerWrapperBase.init_worker runs first
-    from vllm_kvguard import activation, metrics, process, report
+    from vllm_kvguard import activation, process, report
 
     report.count("ray_probe", f"rank{wrapper.rpc_rank}")
     from vllm_kvguard.versions import vllm_version
@@ -40,7 +40,6 @@ def after(wrapper):
                                                   if r.startswith("applied")]),
             "faults": repr(fl.faults), "patches": list(fl.patches),
             "speaker": process.describe(), "kind": process.kind(),
-            "metrics_dir": metrics.directory(),
             "env": {k: v for k, v in _os.environ.items() if k.startswith("KVGUARD")}}
 
 
@@ -77,8 +76,7 @@ if __name__ == "__main__":
         sent = cloudpickle.dumps(remote.worker_entry)
         entries = ray.get([w.execute_method.remote(sent) for w in workers], timeout=60)
         answer = {"before": states, "after": answers, "driver_pid": os.getpid(),
-                  "entries": entries, "driver_totals": metrics.totals(entries),
-                  "driver_metrics_dir": metrics.directory()}
+                  "entries": entries, "driver_totals": metrics.totals(entries)}
         with open(sys.argv[1], "w") as f:
             json.dump(answer, f)
     finally:

@@ -7,7 +7,9 @@ like vLLM's own "Cannot get N free blocks from the pool", raised before the pool
 the connector runs; ``load`` reports a request's KV load of the step failed (the last
 block it loaded, in ``invalid_block_ids``), as a worker does, for vLLM's own
 ``kv_load_failure_policy`` to handle. A call of ``load`` is a new request scheduled with
-computed tokens. Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call
+computed tokens. ``freeze`` blocks EngineCore's step forever in
+``Scheduler.update_from_output`` (a call: one step completing), as a stuck collective or
+CUDA call would: the process stays up, its loop stops (``/health``'s verdict). Deterministic per process: ``every=N`` fails the Nth, 2Nth, ... call
 of the phase; ``rate=P,seed=S`` fails calls at random with a seeded generator. ``after=N``
 spares the first N calls, ``limit=K`` stops after K faults.
 """
@@ -20,12 +22,13 @@ import threading
 from vllm_kvguard import report
 from vllm_kvguard.flags import FaultSpec
 from vllm_kvguard.hookspecs import hookimpl
-from vllm_kvguard.log import once
+from vllm_kvguard.log import logger, once
 from vllm_kvguard.hostcall import InjectedConnectorFault, InjectedFault
 
 CONNECTOR_METHODS = {"lookup": "get_num_new_matched_tokens",
                      "update": "update_state_after_alloc",
-                     "load": "a KV load the worker reports"}
+                     "load": "a KV load the worker reports",
+                     "freeze": "EngineCore's step (it blocks forever)"}
 
 
 class FaultSchedule:
@@ -79,6 +82,18 @@ class Injector:
                 f"injected: KV connector {CONNECTOR_METHODS[phase]} failed for request "
                 f"{request.request_id} (vllm-kvguard fault #{sched.fired}, call {sched.calls})")
         return None
+
+    @hookimpl
+    def kvguard_inject_freeze(self, scheduler):
+        sched = self.schedule
+        if sched.spec.phase != "freeze" or not sched.should_fail():
+            return
+        report.count("fault", "injected")
+        logger.warning("vllm-kvguard: TEST-ONLY fault: EngineCore's step %d is frozen "
+                       "(KVGUARD_FAULTS phase=freeze); it never returns", sched.calls)
+        frozen = threading.Event()
+        while not frozen.wait(1.0):     # signals still reach the thread between waits
+            pass
 
     @hookimpl
     def kvguard_inject_load_failure(self, scheduler, scheduler_output, model_runner_output):

@@ -117,6 +117,46 @@ def format_status(rows: list[tuple[str, str, float]]) -> str:
     return "\n".join(out)
 
 
+HEALTH_METRICS = ("kvguard_seconds_since_step", "kvguard_engine_wedged",
+                  "kvguard_longest_step_seconds", "kvguard_health_unhealthy")
+
+
+def _label(labels: str, key: str) -> str:
+    for part in labels.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() == key:
+            return v.strip().strip('"')
+    return ""
+
+
+def format_health(rows: list[tuple[str, str, float]]) -> list[str]:
+    """One line per EngineCore (its data-parallel rank) and the verdict, from the health
+    patch's gauges; [] when the server has none (patch off, or /health never asked)."""
+    engines: dict[str, dict] = {}
+    bad = []
+    for name, labels, value in rows:
+        if name == "kvguard_health_unhealthy":
+            if value:
+                bad.append(_label(labels, "reason"))
+            continue
+        if name not in HEALTH_METRICS:
+            continue
+        e = engines.setdefault(_label(labels, "engine"), {"wedged": []})
+        if name == "kvguard_seconds_since_step":
+            e["since"] = value
+        elif name == "kvguard_longest_step_seconds":
+            e["longest"] = value
+        elif value:
+            e["wedged"].append(_label(labels, "cause"))
+    if not engines:
+        return []
+    out = [f"EngineCore dp{k}: {e.get('since', 0):.1f} s holding work without a step, "
+           f"longest step {e.get('longest', 0):.2f} s, wedged: {', '.join(e['wedged']) or 'no'}"
+           for k, e in sorted(engines.items())]
+    out.append(f"/health: {'503 (' + ', '.join(bad) + ')' if bad else '200'}")
+    return out
+
+
 def status_main(argv: list[str] | None = None) -> int:
     """Print a running vLLM server's kvguard_* counters (read from its /metrics)."""
     import urllib.error
@@ -136,6 +176,10 @@ def status_main(argv: list[str] | None = None) -> int:
         print(f"kvguard status: cannot read {a.url}: {reason}", file=sys.stderr)
         return 1
     rows = parse_metrics(text)
+    health = format_health(rows)
+    if health:
+        print("\n".join(health))
+    rows = [r for r in rows if r[0] not in HEALTH_METRICS]
     shown = rows if a.all else [r for r in rows if r[2]]
     if rows and not shown:
         print(f"all {len(rows)} kvguard counters are 0 (--all lists them)")

@@ -80,9 +80,9 @@ def _door_child(spec: dict) -> dict:
                         ("with", spec["with"])):
         activation.activate(flags)
         make_scheduler(num_gpu_blocks=POOL_BLOCKS, block_size=BLOCK)   # EngineCore's startup
-        cert = admission.published()
+        limits = admission.published() or {}
         out[side] = {"refused": submit("over", OVER), "fits_refused": submit("fits", FITS),
-                     "largest": getattr(cert, "largest", None)}
+                     "total_limit": limits.get("total_limit")}
         activation.deactivate()
         admission.clear_published()
     return out

@@ -31,7 +31,21 @@ NEMOTRON_H = {
     "eos_token_id": 2, "pad_token_id": 0,
 }
 
-MODELS = {"llama": LLAMA, "nemotron_h": NEMOTRON_H}
+# Gemma-3-style: 1 sliding-window layer (window 32), 1 full-attention layer; no logit
+# softcapping (vLLM's CPU attention runs it).
+GEMMA3_SW = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 1024,
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"], "sliding_window_pattern": 2,
+    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 32, "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "pad_token_id": 0,
+}
+
+MODELS = {"llama": LLAMA, "nemotron_h": NEMOTRON_H, "gemma3_sw": GEMMA3_SW}
 
 
 def write_model(kind: str, directory: str | os.PathLike | None = None) -> str:

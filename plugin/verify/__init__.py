@@ -43,6 +43,7 @@ SHOWS = {
     "cudagraph": "the coverage probe runs on the installed graph manager",
     "distributed": "names and signatures only (always on with the plugin)",
     "faults": "names and signatures only (test tooling)",
+    "health": "names and signatures only (the verdict reads the front end's own state)",
 }
 ENV_VERIFIED = "KVGUARD_VERIFIED"
 _seconds: dict[str, float] = {}

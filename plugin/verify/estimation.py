@@ -2,8 +2,8 @@
 (:mod:`vllm_kvguard.fixes.estimation.estimate`) against the installed vLLM's real
 ``KVCacheManager``.
 
-* admission: the certificate's largest request is exactly what an empty pool's allocator
-  takes (that many tokens fit, one more does not), over full attention;
+* admission: the certificate's prompt limit is exactly what an empty pool's admission
+  gate takes on a real scheduler (that many tokens fit, one more does not);
 * warmup: the reserved-block model equals the blocks the allocator holds, step by step,
   for full attention with lookahead, sliding window and Mamba.
 """
@@ -20,23 +20,22 @@ def _optional(build):
 
 
 def admission() -> None:
-    from vllm_kvguard.fixes.estimation.admission import Certificate
-    from vllm_kvguard.fixes.estimation.estimate import device_groups
+    from vllm_kvguard.fixes.estimation.certificate import from_scheduler
     from vllm_kvguard.testing import kv_fixtures as kf
 
-    specs = [kf.attention_spec()]
-    blocks, mml = 17, 4096
-    cert = Certificate(groups=tuple(device_groups(kf.kv_cache_config(specs, blocks))),
-                       usable=blocks - 1, max_model_len=mml)
-    largest = cert.largest
-    for tokens, fits in ((largest, True), (largest + 1, False)):
-        manager = kf.make_manager(specs, num_blocks=blocks, max_model_len=mml,
-                                  enable_caching=False)
+    blocks = 17
+    sched = kf.make_scheduler(num_gpu_blocks=blocks)
+    limit = from_scheduler(sched).prompt_limit
+    gate = bool(getattr(sched, "scheduler_reserve_full_isl", False))
+    for tokens, fits in ((limit, True), (limit + 1, False)):
+        manager = kf.make_scheduler(num_gpu_blocks=blocks).kv_cache_manager
         req = kf.make_request(f"kvguard-selftest-{tokens}", range(3, 3 + tokens), max_tokens=1)
-        got = manager.allocate_slots(req, tokens) is not None
+        kwargs = {"full_sequence_must_fit": True} if gate else {}
+        got = manager.allocate_slots(req, tokens, **kwargs) is not None
         if got != fits:
-            raise SelfTestFailed(f"certificate says {largest} tokens fit {blocks} blocks, "
-                                 f"the allocator {'refused' if fits else 'took'} {tokens}")
+            raise SelfTestFailed(f"certificate says prompts up to {limit} tokens are admitted "
+                                 f"to {blocks} blocks, the allocator "
+                                 f"{'refused' if fits else 'took'} {tokens}")
 
 
 def warmup() -> None:

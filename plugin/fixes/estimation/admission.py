@@ -1,41 +1,185 @@
-"""Admission certificate: the largest request one engine's KV cache can ever hold.
+"""The door: a request that can never run is refused before EngineCore, with its numbers.
 
-A request has to hold, at the step that computes its last known token, the blocks of every
-KV-cache group for that many tokens (plus the scheduler's lookahead) at once, on one shared
-pool of ``num_blocks - 1`` usable blocks (block 0 is the null block). The smallest such
-holding, per group, is the reserved-block model's figure for that step with everything
-before it already computed (:func:`vllm_kvguard.fixes.estimation.estimate.reserved_blocks`: sliding
-windows and chunked-local attention drop what they no longer need, Mamba holds its state
-and speculative blocks). When the sum exceeds the pool, no schedule and no amount of
-waiting makes the request fit: that is the proof the liveness guard acts on, and the only
-one. Draft tokens are left out of the need (a step may propose none), the lookahead is not
-(EAGLE-style drafting always reserves it).
-
-The door: EngineCore publishes its certificate when its scheduler is built (in memory, and
-pickled beside the metrics snapshots for a front end in another process: the directory is
-the plugin's own, made by ``mkdtemp``); the front end's input processing refuses a request
-whose prompt plus ``max_tokens`` can never fit with a ``ValueError`` naming its numbers
-(``LLM.generate`` raises it, ``vllm serve`` answers HTTP 400), so it never reaches
-EngineCore. No certificate published yet (or ``KVGUARD_ADMISSION=off``): vLLM's behaviour.
+EngineCore's certificate (:mod:`.certificate`) publishes its limits when the scheduler is
+built, as plain JSON numbers (:data:`KEYS`): in memory (:func:`publish`) and in that
+process's entry of the ``collective_rpc`` reply that also carries the counters
+(:mod:`vllm_kvguard.remote`). A front end in another process validates every engine's
+limits on receipt (a malformed entry is ignored) and uses the tightest; nothing is
+unpickled, nothing is written to disk. Its input processing refuses a prompt above the
+prompt limit, or a prompt + ``max_tokens`` above the total limit, with a ``ValueError``
+(``LLM.generate`` raises it, ``vllm serve`` answers HTTP 400). No limits known (or
+``KVGUARD_ADMISSION=off``): vLLM's behaviour.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
-import pickle
-import tempfile
-import weakref
 from dataclasses import dataclass, field
 
-from vllm_kvguard import metrics, report
+from vllm_kvguard import remote, report
 from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups, lookahead_tokens,
-                                         manager_block_size, num_spec, reserved_blocks)
+                                                    manager_block_size, num_spec,
+                                                    reserved_blocks)
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome
 from vllm_kvguard.log import once
 
+KEY = "admission"                      # the limits' key in EngineCore's remote entry
+KEYS = {"prompt_limit": int, "total_limit": int, "max_model_len": int, "usable": int,
+        "prompt_group": str, "total_group": str, "statement": str}
+MAX_TEXT = 2000                        # a longer group name or statement is cut here
+ROOM = ("give the KV cache more room (gpu_memory_utilization, kv_cache_memory_bytes or "
+        "VLLM_CPU_KVCACHE_SPACE) or change max_model_len")
+_published: list = []                  # this process's own engine (EngineCore, in-process)
 
+
+def _validation_error() -> tuple:
+    """vLLM's own request-validation error, where it has one: the API server maps it to
+    HTTP 400 and ``AsyncLLM`` re-raises it as is (any other error from input processing
+    becomes ``EngineGenerateError``, an HTTP 500)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ()
+    return (VLLMValidationError,)
+
+
+_VALIDATION = _validation_error()
+
+
+class Refused(KvguardOutcome, *_VALIDATION, ValueError):
+    """A request that can never fit, refused before it reaches EngineCore."""
+
+
+def validated(raw) -> dict | None:
+    """``raw`` as limits (exactly :data:`KEYS`, of their types, in range), else None."""
+    if not isinstance(raw, dict):
+        return None
+    out = {}
+    for key, kind in KEYS.items():
+        value = raw.get(key)
+        if type(value) is not kind:
+            return None                                 # (bool is not an int here)
+        out[key] = value[:MAX_TEXT] if kind is str else value
+    mml = out["max_model_len"]
+    if mml < 1 or out["usable"] < 0 or not (0 <= out["prompt_limit"] <= mml
+                                            and 0 <= out["total_limit"] <= mml):
+        return None
+    return out
+
+
+def tightest(all_limits: list[dict]) -> dict | None:
+    """The smallest limits of several engines (data parallelism: a request may go to any),
+    each with the group that binds it there."""
+    if not all_limits:
+        return None
+    out = dict(min(all_limits, key=lambda d: (d["total_limit"], d["prompt_limit"])))
+    low = min(all_limits, key=lambda d: d["prompt_limit"])
+    out["prompt_limit"], out["prompt_group"] = low["prompt_limit"], low["prompt_group"]
+    for key in ("max_model_len", "usable"):
+        out[key] = min(d[key] for d in all_limits)
+    return out
+
+
+def publish(limits: dict) -> None:
+    """Make ``limits`` (:data:`KEYS`) the door's, in this process and, through the
+    counters' ``collective_rpc`` reply, for a front end in another process."""
+    checked = validated(limits)
+    if checked is None:
+        once(logging.INFO, ("admission-publish",), "vllm-kvguard: admission limits not "
+             "published (malformed: %.200r); requests are not checked at the door", limits)
+        return
+    _published[:] = [checked]
+    remote.offer(KEY, checked)
+
+
+def published() -> dict | None:
+    """This process's limits, else the tightest valid limits of the engines the front end
+    asks (a malformed entry is ignored, with one INFO line); None: nothing known."""
+    if _published:
+        return dict(_published[0])
+    good = []
+    for raw in remote.offered(KEY):
+        limits = validated(raw)
+        if limits is None:
+            once(logging.INFO, ("admission-malformed",), "vllm-kvguard: an engine's "
+                 "admission limits were malformed and are ignored: %.200r", raw)
+        else:
+            good.append(limits)
+    best = tightest(good)
+    if best is not None:
+        once(logging.INFO, ("admission-received",), "vllm-kvguard: the door has %d engine(s)' "
+             "admission limits: prompt <= %d, prompt + max_tokens <= %d tokens", len(good),
+             best["prompt_limit"], best["total_limit"])
+    return best
+
+
+def clear_published() -> None:
+    _published.clear()
+    remote.offer(KEY, None)
+
+
+def _refuse(message: str, parameter: str, value) -> None:
+    report.count("admission", "refused")
+    if _VALIDATION:                         # vLLM's validation error: name the parameter
+        raise Refused(message, parameter=parameter, value=value)
+    raise Refused(message)
+
+
+def check(limits: dict, request_id, prompt_len: int, max_tokens: int | None) -> None:
+    """Raise :class:`Refused` when the prompt cannot be admitted or prompt + max_tokens
+    can never complete by ``limits``; ``max_tokens`` None is what vLLM makes it
+    (``max_model_len - prompt_len``, in ``InputProcessor.process_inputs``)."""
+    p_lim, t_lim, mml = limits["prompt_limit"], limits["total_limit"], limits["max_model_len"]
+    if max_tokens is None:
+        max_tokens = max(mml - prompt_len, 0)
+    total, room = prompt_len + max_tokens, t_lim - prompt_len
+    head = f"vllm-kvguard: request {request_id} can never fit the KV cache: "
+    tail = f" Here: {limits['statement']}."
+    if prompt_len > p_lim or room < 1:
+        at_most = min(p_lim, t_lim - 1) if room < 1 else p_lim
+        group = limits["prompt_group"] if prompt_len > p_lim else limits["total_group"]
+        _refuse(f"{head}the prompt alone cannot be admitted: at most {max(at_most, 0)} "
+                f"tokens here, this prompt has {prompt_len} (what binds it: {group}). "
+                f"Shorten the prompt, or {ROOM}.{tail}", "prompt", prompt_len)
+    if total > t_lim:
+        _refuse(f"{head}prompt {prompt_len} + max_tokens {max_tokens} = {total} tokens, and "
+                f"at most {t_lim} can ever complete here (what binds it: "
+                f"{limits['total_group']}); max_tokens <= {room} would fit. Or {ROOM}.{tail}",
+                "max_tokens", max_tokens)
+
+
+def door_check(request_id, prompt_len: int, max_tokens: int | None) -> None:
+    """:func:`check` against the :func:`published` limits (none known: vLLM decides)."""
+    limits = published()
+    if limits is not None:
+        check(limits, request_id, prompt_len, max_tokens)
+
+
+class Door:
+    """The front end's check, registered by the ``admission`` patch (the process that
+    takes requests need not be the one that builds a scheduler, so the door does not
+    ride on the startup report that publishes the limits)."""
+
+    @hookimpl
+    def kvguard_admit(self, request):
+        """One ``EngineCoreRequest`` (generation requests only)."""
+        params = getattr(request, "sampling_params", None)
+        tokens = getattr(request, "prompt_token_ids", None)
+        if tokens is None:
+            tokens = getattr(request, "prompt_embeds", None)
+        if params is None or tokens is None:
+            return
+        door_check(request.request_id, len(tokens), getattr(params, "max_tokens", None))
+
+
+DOOR = Door()
+
+
+# ------------------------------------------------- the decode model, for ``kvguard plan``
+# Kept only until plugin/tools/preflight.py moves to :mod:`.certificate`: a request holds,
+# at the step that computes its last token with everything before computed, every group's
+# reserved blocks (:func:`.estimate.reserved_blocks`) on ``num_blocks - 1`` usable blocks.
 @dataclass(frozen=True)
 class Certificate:
     """``groups``: (group index, spec); ``usable``: blocks one request can ever hold."""
@@ -142,19 +286,6 @@ class Certificate:
                 f"{self.draft_tokens} draft tokens (lookahead {self.lookahead}), "
                 f"max_model_len={self.max_model_len}, {self.usable} usable blocks")
 
-    def refusal(self, request_id: str, num_tokens: int) -> str:
-        """The message for a request that can never fit, with its numbers."""
-        need, where = self.need(num_tokens), self.peak(num_tokens)
-        group, blocks = self.bounding_group(num_tokens)
-        parts = ", ".join(f"group {i}: {b}" for i, b in self.group_needs(num_tokens))
-        at = f"{where} tokens" + (f" (on its way to {num_tokens})" if where != num_tokens else "")
-        return (f"vllm-kvguard: request {request_id} can never fit the KV cache: at "
-                f"{at} it holds at least {need} blocks ({parts}; group "
-                f"{group} bounds it with {blocks}) and the pool has {self.usable} usable "
-                f"blocks in all; {self.statement()}. Lower the prompt or max_tokens, or "
-                f"give the KV cache more room (gpu_memory_utilization, "
-                f"kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE).")
-
 
 def from_configs(vllm_config, kv_cache_config) -> Certificate:
     """The certificate of an engine from its ``VllmConfig`` and ``KVCacheConfig``."""
@@ -163,130 +294,3 @@ def from_configs(vllm_config, kv_cache_config) -> Certificate:
                        max_model_len=int(vllm_config.model_config.max_model_len),
                        lookahead=lookahead_tokens(vllm_config),
                        draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config))
-
-
-_by_scheduler: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def of_scheduler(scheduler) -> Certificate:
-    """The certificate of ``scheduler``'s KV cache (computed once per scheduler)."""
-    cert = _by_scheduler.get(scheduler)
-    if cert is None:
-        cert = _by_scheduler[scheduler] = from_configs(scheduler.vllm_config,
-                                                       scheduler.kv_cache_config)
-    return cert
-
-
-# ------------------------------------------------------------------------------ the door
-SUFFIX = ".admission"                  # beside the metrics snapshots (<pid>.json)
-_published: list = []                  # this process's own engine (in-process LLM)
-
-
-def _validation_error() -> tuple:
-    """vLLM's own request-validation error, where it has one: the API server maps it to
-    HTTP 400 and ``AsyncLLM`` re-raises it as is (any other error from input processing
-    becomes ``EngineGenerateError``, an HTTP 500)."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:
-        return ()
-    return (VLLMValidationError,)
-
-
-_VALIDATION = _validation_error()
-
-
-class Refused(KvguardOutcome, *_VALIDATION, ValueError):
-    """A request that can never fit, refused before it reaches EngineCore."""
-
-
-def publish(cert: Certificate) -> None:
-    """Make ``cert`` the door's certificate, here and for a front end in another process."""
-    _published[:] = [cert]
-    directory = metrics.directory()
-    if not directory:
-        return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(cert, f)
-        os.replace(tmp, os.path.join(directory, f"{os.getpid()}{SUFFIX}"))
-    except (OSError, pickle.PickleError, TypeError, AttributeError) as exc:
-        once(logging.INFO, ("admission-publish", type(exc).__name__),
-             "vllm-kvguard: the admission certificate could not be handed to the front end "
-             "(%s: %s); requests are not checked at the door", type(exc).__name__, exc)
-
-
-def published() -> Certificate | None:
-    """This process's certificate, else the tightest one an EngineCore published (read
-    once: every EngineCore publishes while it starts, before the front end serves)."""
-    if _published:
-        return _published[0]
-    directory = metrics.directory()
-    if not directory:
-        return None
-    best = None
-    try:
-        names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
-    except OSError:
-        return None
-    for name in names:
-        try:
-            with open(os.path.join(directory, name), "rb") as f:
-                cert = pickle.load(f)
-        except Exception:               # a half-written or foreign file: not ours to trust
-            continue
-        if isinstance(cert, Certificate) and (best is None or cert.largest < best.largest):
-            best = cert
-    if best is not None:
-        _published[:] = [best]
-    return best
-
-
-def clear_published() -> None:
-    _published.clear()
-
-
-def door_check(request_id: str, prompt_len: int, max_tokens: int | None) -> None:
-    """Raise :class:`Refused` when ``prompt_len + max_tokens`` can never fit."""
-    cert = published()
-    if cert is None:
-        return
-    total = min(prompt_len + (max_tokens or 1), cert.max_model_len)
-    computed = max(total - 1, prompt_len)       # the last token is sampled, not computed
-    if cert.fits(computed):
-        return
-    report.count("admission", "refused")
-    room = max(0, cert.max_total - prompt_len)
-    message = (f"{cert.refusal(request_id, computed)} This request: prompt {prompt_len} "
-               f"+ max_tokens {max_tokens} tokens; "
-               + (f"max_tokens <= {room} would fit." if room else
-                  "its prompt alone cannot fit."))
-    if _VALIDATION:                         # vLLM's validation error: name the parameter
-        raise Refused(message, parameter="max_tokens", value=max_tokens)
-    raise Refused(message)
-
-
-@hookimpl
-def kvguard_startup_report(vllm_config, kv_cache_config):
-    cert = from_configs(vllm_config, kv_cache_config)
-    publish(cert)
-    return ["  " + cert.statement()]
-
-
-class Door:
-    """The front end's check, registered by the ``admission`` patch (the process that
-    takes requests need not be the one that builds a scheduler, so the door does not
-    ride on the startup report that publishes the certificate)."""
-
-    @hookimpl
-    def kvguard_admit(self, request):
-        """One ``EngineCoreRequest`` (generation requests only)."""
-        params = getattr(request, "sampling_params", None)
-        tokens = getattr(request, "prompt_token_ids", None)
-        if params is None or tokens is None:
-            return
-        door_check(request.request_id, len(tokens), getattr(params, "max_tokens", None))
-
-
-DOOR = Door()

@@ -1,14 +1,19 @@
-"""Liveness guard: a request that can never fit is finished at once; one that waits is not.
+"""Liveness guard: a request that can never run is finished at once; one that waits is not.
 
 vLLM admits a waiting request only when its blocks fit, so a request that can never fit
 heads the waiting queue forever and the requests behind it starve (vllm#35541, #39734,
 #53130). After every ``Scheduler.schedule()`` this guard looks at the head of the waiting
-queue and acts on proof only: when the admission certificate
-(:mod:`vllm_kvguard.fixes.estimation.admission`) shows that the head's sequence can never be held
-by this pool, it finishes that request with ``FINISHED_ERROR`` through the scheduler's own
-error path (the client gets ``finish_reason="error"``, and on vLLM 0.33+ the message) and
-logs its numbers. That covers a request too long from the start and one admitted whose
-sequence outgrew the pool (vLLM preempts it and can never readmit it).
+queue and acts on proof only, finishing it with ``FINISHED_ERROR`` through the
+scheduler's own error path (the client gets ``finish_reason="error"``, and on vLLM 0.33+
+the message) and logging its numbers. Two proofs:
+
+* the certificate (:meth:`~vllm_kvguard.fixes.estimation.certificate.Certificate.never`):
+  its sequence can never be held, or vLLM's admission gate can never take it again (a
+  request preempted after growing past the prompt limit), where no prefix hit can help;
+* a fixed point: nothing runs, no block is held, nothing is scheduled and no outside
+  event is pending (no KV connector, not paused, a plain WAITING or PREEMPTED head) for
+  ``KVGUARD_LIVENESS_STEPS`` steps: vLLM's own scheduler refused the head with the whole
+  pool free, and the next step sees the same state.
 
 Everything else waits, however long: a KV connector deferring its match, remote KV
 transfers, grammar compilation, streaming input, a paused scheduler, preemption, or
@@ -23,7 +28,7 @@ import logging
 import weakref
 
 from vllm_kvguard import report
-from vllm_kvguard.fixes.estimation import admission
+from vllm_kvguard.fixes.estimation import certificate
 from vllm_kvguard.fixes.request_errors import fail_request
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import logger, once
@@ -134,11 +139,12 @@ class Liveness:
             return
         if head is not watch.head or head.num_tokens != watch.tokens:
             name = getattr(head.status, "name", "")
-            cert = admission.of_scheduler(scheduler)
-            if name in ("WAITING", "PREEMPTED") and not cert.fits(head.num_tokens):
-                _finish(scheduler, head, cert.refusal(head.request_id, head.num_tokens))
-                watch.head, watch.tokens, watch.steps = None, -1, 0
-                return
+            if name in ("WAITING", "PREEMPTED"):
+                why = certificate.of_scheduler(scheduler).never(
+                    head.num_tokens, getattr(head, "num_prompt_tokens", head.num_tokens))
+                if why is not None:
+                    self._end(scheduler, head, watch, why)
+                    return
             watch.head, watch.tokens, watch.steps, watch.reported = \
                 head, head.num_tokens, 0, False
         stalled = getattr(output, "total_num_scheduled_tokens", 1) == 0 and not scheduler.running
@@ -149,6 +155,11 @@ class Liveness:
         elif watch.gauged:
             _gauge()
             watch.gauged = False
+        if watch.steps >= self.steps and _fixed_point(scheduler, head):
+            self._end(scheduler, head, watch, "vLLM's scheduler refused it for "
+                      f"{watch.steps} steps with every block free and nothing else "
+                      "running or pending")
+            return
         if watch.steps >= self.steps and not watch.reported:
             watch.reported = True
             cause = waiting_cause(scheduler, head)
@@ -158,3 +169,25 @@ class Liveness:
                  "scheduled (cause: %s); it can fit the KV cache, so it is left waiting "
                  "(counter 'waiting' in the report; further waits for this cause are "
                  "counted, not logged)", head.request_id, watch.steps, cause)
+
+    @staticmethod
+    def _end(scheduler, head, watch, why: str) -> None:
+        cert = certificate.of_scheduler(scheduler)
+        _finish(scheduler, head, f"vllm-kvguard: request {head.request_id} can never be "
+                f"scheduled: {why}; the pool has {cert.usable} usable blocks; "
+                f"{cert.statement()}. Lower the prompt or max_tokens, or give the KV cache "
+                f"more room (gpu_memory_utilization, kv_cache_memory_bytes or "
+                f"VLLM_CPU_KVCACHE_SPACE).")
+        watch.head, watch.tokens, watch.steps = None, -1, 0
+
+
+def _fixed_point(scheduler, head) -> bool:
+    """Nothing can change the next step's outcome for ``head``: nothing runs, every
+    block is free, and no outside event (a connector, a pause, a non-plain status) is
+    pending; ``schedule()`` then sees the same state again."""
+    if scheduler.running or waiting_cause(scheduler, head) not in ("admission", "preempted"):
+        return False
+    if getattr(scheduler, "ec_connector", None) is not None:    # encoder cache transfers
+        return False
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() >= pool.num_gpu_blocks - 1

@@ -1,0 +1,437 @@
+"""Admission certificate: the two limits vLLM's own scheduler puts on one request.
+
+A request gets the most room it can ever have when it is alone in an empty pool; what
+the scheduler does then decides whether it can ever run:
+
+* **prompt limit** ``P``: the longest sequence the scheduler admits and prefills. A
+  WAITING or PREEMPTED request enters through ``KVCacheManager.allocate_slots`` with
+  ``full_sequence_must_fit=scheduler_reserve_full_isl``: the whole sequence so far is
+  counted at once with nothing computed, through per-spec admission caps. That count is
+  vLLM's own ``get_num_blocks_to_allocate(..., apply_admission_cap=True)``, called here
+  on the scheduler's real managers (:func:`gate_counter`), never re-derived. Then every
+  prefill chunk (``min(remaining, token budget)`` when alone; ``long_prefill_token_threshold``
+  is 0 for a lone request in 0.32+; Mamba align chunks are cut by vLLM's own
+  ``_mamba_block_aligned_split``) must fit;
+  those holdings are the reserved-block model (:mod:`.estimate`, fuzzed against the
+  allocator), with the async scheduler's unsettled step kept (``num_in_flight_tokens``).
+* **total limit** ``T``: the largest prompt + ``max_tokens`` that can complete: every
+  decode step up to ``T - 1`` computed tokens fits (the least holding of any schedule).
+
+A request admitted below ``P`` that grows past it completes unless it is preempted; a
+preempted one can then never re-enter. The door refuses only ``prompt > P`` or
+``total > T`` (refusing more would fail requests that complete whenever they are not
+preempted); :mod:`.liveness` ends a preempted one with :meth:`Certificate.never` when it
+is proven stuck. No prefix hit is assumed: a hit can be evicted before the request runs.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from dataclasses import dataclass, field
+
+from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups,
+                                                    lookahead_tokens, manager_block_size,
+                                                    num_spec, reserved_blocks)
+from vllm_kvguard.hookspecs import hookimpl
+
+SENTINEL = "\x00kvguard-certificate"    # a request id no client can send
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def describe(spec) -> str:
+    """A group's kind as vLLM's spec names it, with its window or chunk."""
+    name = type(spec).__name__.replace("Spec", "")
+    if hasattr(spec, "mamba_cache_mode"):
+        return f"Mamba ({spec.mamba_cache_mode})"
+    if getattr(spec, "sliding_window", None):
+        return f"sliding window {spec.sliding_window}"
+    if getattr(spec, "attention_chunk_size", None):
+        return f"chunked local {spec.attention_chunk_size}"
+    return {"FullAttention": "full attention", "MLAAttention": "MLA"}.get(name, name)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the scheduler does with one request alone (read from the scheduler object)."""
+
+    budget: int                 # tokens one step gives a lone request
+    gate: bool = True           # scheduler_reserve_full_isl
+    chunked: bool = True        # enable_chunked_prefill
+    in_flight: int = 0          # steps scheduled before the previous one settles
+    caching: bool = False       # prefix caching (a hit can lower the gate's count)
+    split: object = field(default=None, compare=False)  # vLLM's Mamba align chunk cut
+
+
+class _Lone:
+    """The fields of a ``Request`` that vLLM's chunk split reads, for a lone request."""
+
+    __slots__ = ("num_computed_tokens", "num_prompt_tokens", "num_tokens",
+                 "shared_prefix_boundary")
+
+    def __init__(self, computed: int, prompt: int, tokens: int):
+        self.num_computed_tokens, self.num_prompt_tokens = computed, prompt
+        self.num_tokens, self.shared_prefix_boundary = tokens, 0
+
+
+def aligned_split(scheduler):
+    """vLLM's own Mamba align chunk cut (``Scheduler._mamba_block_aligned_split``, 0.32
+    scheduler.py 443-545, 0.34 the same function) as ``split(computed, new, tokens,
+    prompt) -> new``; None where the scheduler does not cut chunks."""
+    fn = getattr(scheduler, "_mamba_block_aligned_split", None)
+    if fn is None or not getattr(scheduler, "need_mamba_block_aligned_split", False):
+        return None
+    return lambda computed, new, tokens, prompt: int(fn(_Lone(computed, prompt, tokens), new))
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def gate_counter(scheduler):
+    """vLLM's admission count for a request alone with ``n`` tokens and nothing computed:
+    each single-type manager's ``get_num_blocks_to_allocate`` as the coordinator calls
+    it from ``allocate_slots(full_sequence_must_fit=True)`` (0.32 kv_cache_manager.py
+    522-539, kv_cache_coordinator.py 232-259; 0.34 the same calls). Returns
+    ``count(n, prefill_end) -> [blocks per group]`` or None where this vLLM has no gate.
+    The managers keep no trace: the sentinel entry a call may create is removed."""
+    manager = scheduler.kv_cache_manager
+    coordinator = manager.coordinator
+    managers = tuple(coordinator.single_type_managers)
+    if "apply_admission_cap" not in inspect.signature(
+            coordinator.get_num_blocks_to_allocate).parameters:
+        return None
+    interval = getattr(coordinator, "retention_interval", 0)
+    cross = {i for i, m in enumerate(managers) if type(m).__name__ == "CrossAttentionManager"}
+
+    def count(n: int, prefill_end: int) -> list[int]:
+        out = []
+        try:
+            for i, m in enumerate(managers):
+                if i in cross:
+                    out.append(0)               # no encoder tokens in a generation request
+                    continue
+                fn = m.get_num_blocks_to_allocate
+                out.append(int(fn(**_accepted(fn, dict(
+                    request_id=SENTINEL, num_tokens=n, new_computed_blocks=[],
+                    total_computed_tokens=0, num_local_computed_tokens=0,
+                    num_tokens_main_model=n, apply_admission_cap=True,
+                    prefill_end=0 if interval else prefill_end)))))
+        finally:
+            for m in managers:
+                getattr(m, "req_to_blocks", {}).pop(SENTINEL, None)
+        return out
+
+    return count
+
+
+def schedule_of(scheduler) -> Schedule:
+    """The lone-request schedule of ``scheduler`` (0.32 scheduler.py 608-613 budgets,
+    643-649 the threshold off when alone, 1137-1166 chunking; 0.34 the same lines)."""
+    vc, sc = scheduler.vllm_config, scheduler.scheduler_config
+    spec = getattr(vc, "speculative_config", None)
+    draft_slots = int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0) if spec else 0
+    budget = min(int(getattr(scheduler, "max_num_scheduled_tokens", None)
+                     or sc.max_num_batched_tokens),
+                 int(sc.max_num_batched_tokens) - draft_slots)
+    batches = int(getattr(vc, "max_concurrent_batches", 1) or 1)
+    if not getattr(sc, "async_scheduling", False):
+        batches = 1
+    return Schedule(budget=max(0, budget),
+                    gate=bool(getattr(scheduler, "scheduler_reserve_full_isl", False)),
+                    chunked=bool(getattr(sc, "enable_chunked_prefill", True)),
+                    in_flight=batches - 1, split=aligned_split(scheduler),
+                    caching=bool(getattr(scheduler.cache_config, "enable_prefix_caching",
+                                         False)))
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """``groups``: (group index, spec); ``usable``: blocks one request can ever hold;
+    ``gate``: :func:`gate_counter` (None: this vLLM admits by the first chunk only)."""
+
+    groups: tuple
+    usable: int
+    max_model_len: int
+    schedule: Schedule
+    lookahead: int = 0
+    draft_tokens: int = 0
+    dcp: int = 1
+    gate: object = field(default=None, compare=False, repr=False)
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------- holdings, per group
+    def _hold(self, tokens: int, computed: int) -> list[tuple[int, int]]:
+        out = []
+        for i, spec in self.groups:
+            r = reserved_blocks(spec, tokens, num_lookahead_tokens=self.lookahead,
+                                max_model_len=self.max_model_len, dcp=self.dcp,
+                                num_computed_tokens=computed)
+            out.append((i, 0 if r is None else r.physical))
+        return out
+
+    def _decode(self, m: int) -> list[tuple[int, int]]:
+        """Held at the step computing token ``m`` with the ones before computed: the least
+        any schedule holds there. Synchronous: ``m`` tokens, ``m - 1`` computed. The
+        async scheduler keeps one step unsettled (frees lag by it) and, with drafts,
+        schedules ``k`` draft placeholders on top of the unsettled step's ``k``
+        (``AsyncScheduler._update_after_schedule``; 0.34 async_scheduler.py 18-40):
+        ``m + 2k`` tokens, ``m - 2`` processed (matched on the scheduler fuzz)."""
+        k = self.draft_tokens if self.schedule.in_flight else 0
+        if k:
+            return self._hold(m + 2 * k, max(0, m - 2))
+        return self._hold(m, max(0, m - 1 - self.schedule.in_flight))
+
+    def _decode_total(self, m: int) -> int:
+        key = ("d", m)
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) > 8192:
+                self._cache.clear()
+            got = self._cache[key] = sum(b for _, b in self._decode(m))
+        return got
+
+    def _candidates(self, n: int) -> set[int]:
+        """Steps on the way to ``n`` tokens where a decode holding can peak: the last
+        ``lcm`` of block and chunk sizes before ``n`` (and before the lookahead meets
+        ``max_model_len``); every group's holding repeats with that period. Every step of
+        a short period; for a long one, the steps where a block table grows."""
+        sizes = [manager_block_size(spec, self.dcp) for _, spec in self.groups] or [1]
+        chunks = [getattr(spec, "attention_chunk_size", None) or 1 for _, spec in self.groups]
+        period = _lcm(*sizes, *chunks)
+        shift = 2 * self.draft_tokens + 2
+        cap = self.max_model_len - self.lookahead
+        points = {n}
+        regions = [(max(1, n - period - shift), n)]
+        if n > cap:
+            regions.append((max(1, cap - period - shift), cap))
+            points.update(range(max(1, cap + 1), n + 1))
+        for lo, hi in regions:
+            if hi - lo <= 4096:                 # every step of the last period
+                points.update(range(lo, hi + 1))
+                continue
+            points.add(lo)
+            for size in sizes:
+                for rest in {(1 - self.lookahead) % size, 1 % size, 2 % size,
+                             (1 - self.lookahead - 2 * self.draft_tokens) % size}:
+                    points.update(range(lo + (rest - lo) % size, hi + 1, size))
+        return points
+
+    def decode_peak(self, n: int) -> int:
+        """The step on the way to ``n`` computed tokens whose decode holding is largest."""
+        n = max(1, min(int(n), self.max_model_len))
+        return max(self._candidates(n), key=lambda m: (self._decode_total(m), m))
+
+    def decode_need(self, n: int) -> int:
+        """The least peak holding of a request that decodes up to ``n`` computed tokens."""
+        return self._decode_total(self.decode_peak(n))
+
+    def decode_fits(self, n: int) -> bool:
+        """Whether decoding up to ``n`` computed tokens can ever be held (False is a
+        proof whatever the prefix cache holds: these blocks must all be in the pool)."""
+        return self.decode_need(n) <= self.usable
+
+    # ---------------------------------------------------------------- admission, prefill
+    def chunks(self, n: int, prompt: int | None = None):
+        """(computed, new, previous new) per step of a lone request's (re)prefill of
+        ``n`` tokens (``prompt``: its prompt, ``n`` for a new request); None as a chunk
+        when the scheduler can never schedule the next one."""
+        s, done, prev = self.schedule, 0, 0
+        if not s.chunked and n > s.budget:
+            yield None
+            return
+        while done < n:
+            c = min(n - done, s.budget, self.max_model_len - done)
+            if s.split is not None:
+                c = s.split(done, c, n, n if prompt is None else prompt)
+            if c <= 0:
+                yield None
+                return
+            yield done, c, prev
+            done, prev = done + c, c
+
+    def admission(self, n: int, prefill_end: int | None = None) -> tuple[int, str]:
+        """(blocks, what binds) the most a lone (re)admission of ``n`` tokens needs at
+        once: vLLM's gate count, or the largest prefill chunk's holding."""
+        n = max(1, min(int(n), self.max_model_len))
+        key = ("a", n, prefill_end)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        best = (0, "nothing")
+        if self.schedule.gate and self.gate is not None:
+            per = self.gate(n, n if prefill_end is None else prefill_end)
+            best = (sum(per), "admission gate: " + self._parts(enumerate(per)))
+        prompt = None if prefill_end is None else min(prefill_end, n)
+        for chunk in self.chunks(n, prompt):
+            if chunk is None:
+                best = (self.usable + 1, f"token budget {self.schedule.budget}: no chunk "
+                        "of it can be scheduled")
+                break
+            done, c, prev = chunk
+            # the async scheduler's unsettled chunk delays frees; with a drafter's
+            # lookahead the chunks settle first (measured on the scheduler fuzz)
+            lag = prev if self.schedule.in_flight and not self.lookahead else 0
+            computed = max(0, done - lag)
+            per = self._hold(done + c, computed)
+            total = sum(b for _, b in per)
+            if total > best[0]:
+                best = (total, f"prefill chunk {done}-{done + c}: " + self._parts(per))
+        self._cache[key] = best
+        return best
+
+    def admits(self, n: int, prefill_end: int | None = None) -> bool:
+        return self.admission(n, prefill_end)[0] <= self.usable
+
+    def _parts(self, per) -> str:
+        kinds = dict(self.groups)
+        return ", ".join(f"group {i} ({describe(kinds[i])}) {b}" for i, b in per
+                         if i in kinds)
+
+    # ------------------------------------------------------------------------ limits
+    @property
+    def prompt_limit(self) -> int:
+        """The longest prompt the scheduler ever admits and prefills (0: none); at most
+        ``max_model_len - 1``: a prompt must leave room for the token it samples."""
+        return min(self._largest("prompt", self.admits), self.max_model_len - 1)
+
+    @property
+    def decode_limit(self) -> int:
+        """The most computed tokens any schedule can hold (``max_model_len``: all)."""
+        return self._largest("decode", self.decode_fits)
+
+    @property
+    def total_limit(self) -> int:
+        """The largest prompt + ``max_tokens`` that can complete: the last token is
+        sampled, never computed, so one more than the decode limit."""
+        if self.prompt_limit == 0:
+            return 0
+        # a step that cannot be held preempts the request; re-admitted and recomputed it
+        # samples one more token, so every length the gate re-admits also progresses
+        return min(max(self.decode_limit, self._largest("prompt", self.admits)) + 1,
+                   self.max_model_len)
+
+    def _largest(self, name: str, ok) -> int:
+        got = self._cache.get(name)
+        if got is None:
+            lo, hi = 0, self.max_model_len
+            if ok(hi):
+                lo = hi
+            while hi - lo > 1:              # ok(lo) (or lo == 0), not ok(hi): monotone
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+            got = self._cache[name] = lo
+        return got
+
+    def binding(self) -> tuple[str, str]:
+        """What binds each limit, in words."""
+        p, t = self.prompt_limit, self.total_limit
+        prompt = (self.admission(p + 1)[1] if p < self.max_model_len else "max_model_len")
+        if t >= self.max_model_len:
+            total = "max_model_len"
+        else:
+            m = self.decode_peak(t)
+            total = f"decoding token {m}: " + self._parts(self._decode(m))
+        return prompt, total
+
+    def limits(self) -> dict:
+        """The certificate as plain JSON numbers, for the door in another process."""
+        prompt, total = self.binding()
+        return {"prompt_limit": self.prompt_limit, "total_limit": self.total_limit,
+                "max_model_len": self.max_model_len, "usable": self.usable,
+                "prompt_group": prompt, "total_group": total,
+                "statement": self.statement()}
+
+    def statement(self) -> str:
+        return (f"admission limits: prompt <= {self.prompt_limit} tokens, prompt + "
+                f"max_tokens <= {self.total_limit} tokens ({self.usable} usable blocks, "
+                f"max_model_len={self.max_model_len}"
+                + (f", lookahead {self.lookahead}" if self.lookahead else "") + ")")
+
+    # ------------------------------------------------------------------- the liveness proof
+    def never(self, num_tokens: int, num_prompt_tokens: int) -> str | None:
+        """Why a WAITING or PREEMPTED request of ``num_tokens`` can never (re-)enter, or
+        None when that is not proven. A sequence that can never be held is proof whatever
+        the prefix cache holds; the admission count is proof when no hit can lower it
+        (prefix caching off, or every group full attention: a hit block is either counted
+        as taken from the free queue or held by another request)."""
+        n = min(int(num_tokens), self.max_model_len)
+        key = ("never", n, int(num_prompt_tokens))
+        if key not in self._cache:
+            self._cache[key] = self._never(n, int(num_prompt_tokens))
+        return self._cache[key]
+
+    def _never(self, n: int, num_prompt_tokens: int) -> str | None:
+        # the least any way of computing the sequence holds: token m with all before it
+        # computed, no drafts, nothing unsettled (a lower bound in every mode)
+        peak = max(self._candidates(n),
+                   key=lambda m: (sum(b for _, b in self._hold(m, m - 1)), m))
+        per = self._hold(peak, peak - 1)
+        if sum(b for _, b in per) > self.usable:
+            return (f"computing token {peak} holds at least {sum(b for _, b in per)} blocks "
+                    f"({self._parts(per)})")
+        hit_proof = not self.schedule.caching or all(
+            type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+            for _, spec in self.groups)
+        if hit_proof:
+            need, why = self.admission(n, max(int(num_prompt_tokens), n - 1))
+            if need > self.usable:
+                return f"(re-)admitting {n} tokens takes {need} blocks at once ({why})"
+        return None
+
+
+def _lcm(*values: int) -> int:
+    return math.lcm(*values)
+
+
+def from_scheduler(scheduler) -> Certificate:
+    """The certificate of ``scheduler``'s KV cache (vLLM's gate, its lone schedule)."""
+    vc, kcc = scheduler.vllm_config, scheduler.kv_cache_config
+    try:
+        gate = gate_counter(scheduler)
+    except AttributeError:              # a vLLM whose manager has no coordinator gate
+        gate = None
+    return Certificate(groups=tuple(device_groups(kcc)), usable=int(kcc.num_blocks) - 1,
+                       max_model_len=int(getattr(scheduler, "max_model_len", 0)
+                                         or vc.model_config.max_model_len),
+                       schedule=schedule_of(scheduler), lookahead=lookahead_tokens(vc),
+                       draft_tokens=num_spec(vc), dcp=dcp_size(vc), gate=gate)
+
+
+_by_scheduler: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def of_scheduler(scheduler) -> Certificate:
+    """The certificate of ``scheduler`` (computed once per scheduler)."""
+    cert = _by_scheduler.get(scheduler)
+    if cert is None:
+        cert = _by_scheduler[scheduler] = from_scheduler(scheduler)
+    return cert
+
+
+@hookimpl
+def kvguard_startup_report(scheduler):
+    """EngineCore's scheduler is built: state its limits and hand them to the door."""
+    if scheduler is None:
+        return None
+    from vllm_kvguard.fixes.estimation import admission
+
+    cert = of_scheduler(scheduler)
+    admission.publish(cert.limits())
+    return ["  " + cert.statement()]
+
+
+def from_configs(vllm_config, kv_cache_config) -> Certificate:
+    """The certificate of an engine that is not running (``kvguard plan``): vLLM's own
+    ``Scheduler`` built from the same configs, then :func:`from_scheduler`."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                  structured_output_manager=StructuredOutputManager(vllm_config),
+                  block_size=vllm_config.cache_config.block_size, log_stats=False)
+    return from_scheduler(Scheduler(**_accepted(Scheduler.__init__, kwargs)))
