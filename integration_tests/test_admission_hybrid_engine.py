@@ -264,23 +264,9 @@ SERVE_ARGS = ("--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eage
 
 def _complete(server, n: int, timeout: float):
     """One prompt of ``n`` tokens + 4 through ``/v1/completions``: (seen, text, seconds)."""
-    import openai
+    from vllm_kvguard.testing.serve_fixtures import complete_once
 
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
-                           max_retries=0, timeout=timeout)
-    t0 = time.monotonic()
-    try:
-        r = client.completions.create(model=server.model_id(), temperature=0, max_tokens=4,
-                                      prompt=[3 + i % 997 for i in range(n)],
-                                      extra_body={"ignore_eos": True})
-        seen, text = f"finish {r.choices[0].finish_reason}", ""
-    except openai.APIStatusError as exc:
-        seen, text = f"http {exc.status_code}", str(exc)
-    except openai.APITimeoutError as exc:
-        seen, text = "timeout", str(exc)
-    finally:
-        client.close()
-    return seen, text, time.monotonic() - t0
+    return complete_once(server, timeout, max_tokens=4, prompt=[3 + i % 997 for i in range(n)])
 
 
 @pytest.mark.multiproc

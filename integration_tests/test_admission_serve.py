@@ -18,10 +18,9 @@ client's timeout ends the wait).
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from vllm_kvguard.testing.serve_fixtures import complete_once
 from vllm_kvguard.tools.serve import Server, complete_all
 from vllm_kvguard.tools.tiny_models import write_model
 from vllm_kvguard.tools.workload import make_prompts
@@ -46,24 +45,7 @@ def _gap_pin() -> bool:
 
 def _over(server, timeout: float):
     """Send the over-capacity request: (what the client saw, its text, seconds)."""
-    import openai
-
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
-                           max_retries=0, timeout=timeout)
-    t0 = time.monotonic()
-    try:
-        r = client.completions.create(model=server.model_id(), temperature=0,
-                                      extra_body={"ignore_eos": True}, **OVER)
-        seen, text = f"finish {r.choices[0].finish_reason}", ""
-    except openai.BadRequestError as exc:
-        seen, text = "http 400", str(exc)
-    except openai.APIStatusError as exc:
-        seen, text = f"http {exc.status_code}", str(exc)
-    except openai.APITimeoutError as exc:
-        seen, text = "timeout", str(exc)
-    finally:
-        client.close()
-    return seen, text, time.monotonic() - t0
+    return complete_once(server, timeout, **OVER)
 
 
 def _others(server):

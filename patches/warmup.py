@@ -45,7 +45,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from vllm_kvguard.log import logger, once
+from vllm_kvguard.log import once
 from vllm_kvguard.manager import hook
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.registry import Patch, Private, Target

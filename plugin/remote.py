@@ -166,6 +166,12 @@ async def _refresh_forever(ref: weakref.ref) -> None:
 
 def entries() -> list[dict]:
     """The other processes' entries: cached for ``AsyncLLM``, asked now for ``LLMEngine``."""
+    return _gather(fresh=True)
+
+
+def _gather(fresh: bool) -> list[dict]:
+    """Every attached engine's entries, one per process: ``AsyncLLM``'s from its cache,
+    ``LLMEngine``'s asked now (``fresh``) or its last reply (asked once if none)."""
     out: list[dict] = []
     with _lock:
         engines = [(r(), a) for r, a in _engines]
@@ -175,7 +181,8 @@ def entries() -> list[dict]:
         if is_async:
             out.extend(_cache.get(id(engine), ()))
             continue
-        out.extend(_ask_sync(engine))
+        reply = None if fresh else _sync_cache.get(id(engine))
+        out.extend(_ask_sync(engine) if reply is None else reply)
     return _unique(out)
 
 
@@ -204,18 +211,7 @@ def _unique(out: list[dict]) -> list[dict]:
 def offered(key: str) -> list:
     """What the other processes offer under ``key`` (raw: the caller validates it), one
     per process: ``AsyncLLM``'s from its cache, ``LLMEngine``'s asked once, then kept."""
-    out: list[dict] = []
-    with _lock:
-        engines = [(r(), a) for r, a in _engines]
-    for engine, is_async in engines:
-        if engine is None:
-            continue
-        if is_async:
-            out.extend(_cache.get(id(engine), ()))
-            continue
-        reply = _sync_cache.get(id(engine))
-        out.extend(_ask_sync(engine) if reply is None else reply)
-    return [e["offers"][key] for e in _unique(out)
+    return [e["offers"][key] for e in _gather(fresh=False)
             if isinstance(e.get("offers"), dict) and key in e["offers"]]
 
 

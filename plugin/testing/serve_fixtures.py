@@ -165,3 +165,24 @@ class ServePool:
         for server in list(self._servers.values()):
             server.stop(grace=0)
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def complete_once(server, timeout: float, **request) -> tuple[str, str, float]:
+    """One ``/v1/completions`` request (temperature 0, ``ignore_eos``): what the client saw
+    (``finish REASON``, ``http CODE`` or ``timeout``), the error text, and the seconds."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
+                           max_retries=0, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        r = client.completions.create(model=server.model_id(), temperature=0,
+                                      extra_body={"ignore_eos": True}, **request)
+        seen, text = f"finish {r.choices[0].finish_reason}", ""
+    except openai.APIStatusError as exc:
+        seen, text = f"http {exc.status_code}", str(exc)
+    except openai.APITimeoutError as exc:
+        seen, text = "timeout", str(exc)
+    finally:
+        client.close()
+    return seen, text, time.monotonic() - t0
