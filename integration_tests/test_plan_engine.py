@@ -102,7 +102,7 @@ def test_plan_prints_the_engines_startup_tables(engine_and_plan):
     assert len(groups) == 3 and "MambaSpec(none, nsb=3)" in groups[0], run["engine"][-4000:]
     # the certificate: the engine logs it in the same report, before the capacity table
     *same, certificate = plan_cap
-    assert certificate.startswith("  largest admissible request: ")
+    assert certificate.startswith("  admission limits: prompt <= ")
     assert certificate in run["engine"].splitlines() or any(
         ln.endswith(certificate) for ln in run["engine"].splitlines())
     # blocks per group (plain, spec, decode), per request, concurrency, Mamba decodes

@@ -169,9 +169,15 @@ USES = (
     Private("vllm.config", "VllmConfig", ("_set_cudagraph_sizes",)),
     Private("vllm.config", "CompilationConfig", ("_attention_ops",)),
     Private("vllm.platforms", "", ("_current_platform",)),
-    # the planner's block size, as vLLM's platform picks and aligns it on a CUDA GPU
-    Private("vllm.platforms.interface", "Platform", ("_align_hybrid_block_size",)),
+    # the planner's block size, as vLLM's platform picks it on a CUDA GPU
     Private("vllm.platforms.interface", "Platform", ("_preferred_block_size_for_backends",),
+            versions=">=0.32"),
+    # the planner's KV specs from vLLM's own model classes (tools/layer_specs.py): the
+    # model class imported before the CUDA platform stands in, the backend choice cache
+    Private("vllm.model_executor.models.registry", "_ModelRegistry", ("_try_load_model_cls",),
+            versions=">=0.32"),
+    Private("vllm.v1.attention.selector", "", ("_cached_get_attn_backend",
+                                               "_cached_get_mamba_attn_backend"),
             versions=">=0.32"),
 )
 

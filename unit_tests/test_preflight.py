@@ -29,48 +29,49 @@ def test_bad_json_names_the_argument(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["llama", "nemotron_h"])
 def test_plan_matches_the_engine_objects(kind, tmp_path):
-    """A config.json written here (Llama-shaped; NemotronH-shaped hybrid): the planner's
-    per-group blocks equal capacity.compute on a KVCacheConfig of the same specs, and its
-    vLLM figure is vLLM's own; the GPU-shaped coverage gap is the worked example."""
+    """A config.json written here (Llama-shaped; NemotronH-shaped hybrid), planned for a CUDA
+    GPU: the planner's per-group blocks equal capacity.compute on a KVCacheConfig vLLM's own
+    get_kv_cache_configs builds from the specs vLLM's layers report, and its vLLM figure is
+    vLLM's own; the GPU-shaped coverage gap is the worked example."""
     pytest.importorskip("vllm")
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
     from vllm_kvguard.fixes.estimation import capacity
-    from vllm_kvguard.testing.kv_fixtures import kv_cache_config
-    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools import layer_specs
+    from vllm_kvguard.tools.plan import engine_args
     from vllm_kvguard.tools.tiny_models import write_model
 
     model = write_model(kind, tmp_path / kind)
-    # the config's own block size (device cpu), aligned as on a GPU (FLASH_ATTN)
-    r = preflight.plan(model, device="cpu", attention_backend="FLASH_ATTN", max_num_seqs=256,
-                       max_model_len=2048, num_gpu_blocks=4096, speculative_config=NGRAM3)
+    r = preflight.plan(model, max_num_seqs=256, max_model_len=2048, num_gpu_blocks=4096,
+                       speculative_config=NGRAM3, max_num_batched_tokens=2048)
     # the engine's own objects, built independently of the planner's KV path
-    vc = plan_config(model, max_num_seqs=256, max_model_len=2048,
-                     speculative_config=dict(NGRAM3))
-    block_size = vc.cache_config.block_size
-    preflight.align_block_size(vc, "FLASH_ATTN")     # what the executor does on a GPU
-    specs = preflight.kv_cache_specs(vc)
-    uniq = list(dict.fromkeys(specs.values()))   # one group per distinct spec here
-    kvc = kv_cache_config(uniq * 1, 4096)
+    built = layer_specs.build(engine_args(model, max_num_seqs=256, max_model_len=2048,
+                                          max_num_batched_tokens=2048,
+                                          speculative_config=dict(NGRAM3)),
+                              within=lambda vc, specs: preflight.kv_cache_config(
+                                  vc, specs, num_gpu_blocks=4096, kv_bytes=None))
+    vc, kvc = built.vllm_config, built.result
     cap = capacity.compute(vc, kvc)
-    by_kind = {}
-    for g in cap.groups:
-        by_kind[g.kind] = (g.plain, g.spec, g.decode)
-    for g in r["groups"]:
-        assert (g["blocks_per_request_plain"], g["blocks_per_request_spec"],
-                g["decode_blocks"]) == by_kind[g["kind"]]
+    assert [(g["blocks_per_request_plain"], g["blocks_per_request_spec"], g["decode_blocks"])
+            for g in r["groups"]] == [(g.plain, g.spec, g.decode) for g in cap.groups]
+    assert r["num_blocks"] == kvc.num_blocks == 4096
+    assert r["vllm_concurrency"] == pytest.approx(
+        get_max_concurrency_for_kv_cache_config(vc, kvc), rel=1e-9)
     if kind == "llama":
         assert [g["kind"] for g in r["groups"]] == ["FullAttentionSpec"]
-        assert r["vllm_concurrency"] == pytest.approx(
-            get_max_concurrency_for_kv_cache_config(vc, kvc), rel=1e-3)
+        assert [x["kind"] for x in r["layers"]] == ["full"]
     else:
         # "M*M-": groups numbered as vLLM numbers them, in the order their layers appear
         kinds = [g["kind"] for g in r["groups"]]
         assert kinds[2] == "FullAttentionSpec" and len(kinds) == 3
-        # the attention page grew to hold a Mamba state, in FLASH_ATTN's multiples of 16
-        assert r["groups"][2]["block_size"] > block_size
-        assert r["groups"][2]["block_size"] % 16 == 0
-        # the cache mode vLLM picks with drafts: align (0.29+), none (0.27.1)
+        assert {x["kind"] for x in r["layers"]} == {"Mamba2", "full"}
+        # the attention page grew to hold a Mamba state, in multiples of 16 tokens; the
+        # conv state in the model's dtype as on CUDA (the CPU platform makes it float32)
+        assert r["groups"][2]["block_size"] > 16 and r["groups"][2]["block_size"] % 16 == 0
+        import torch
+
+        mamba = next(s for s in built.specs.values() if hasattr(s, "mamba_type"))
+        assert mamba.dtypes[0] == torch.bfloat16
         mode = vc.cache_config.mamba_cache_mode
         assert all(k.startswith(f"MambaSpec({mode}, nsb=3)") for k in kinds[:2]), kinds
         assert r["blocks_per_request_spec"] > sum(g["blocks_per_request_plain"]
@@ -87,7 +88,7 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     json.dumps(r)                                # --json writes it
 
 
-def test_plan_states_the_largest_admissible_request(tmp_path):
+def test_plan_states_the_admission_limits(tmp_path):
     """The certificate is stated; a KV cache too small for one max_model_len request is
     named as vLLM itself would refuse it, with the flags to change (no traceback)."""
     pytest.importorskip("vllm")
@@ -95,10 +96,11 @@ def test_plan_states_the_largest_admissible_request(tmp_path):
 
     model = write_model("llama", tmp_path / "llama")
     roomy = preflight.plan(model, max_num_seqs=4, max_model_len=2048, num_gpu_blocks=4096)
-    assert roomy["largest_admissible_tokens"] == 2048
-    assert any("largest admissible request: prompt + max_tokens <= 2048 tokens" in line
-               for line in roomy["capacity_lines"])
-    assert not any("never fit" in p for p in roomy["problems"])
+    assert (roomy["admission"]["prompt_limit"], roomy["admission"]["total_limit"]) == \
+        (2047, 2048)
+    assert any("admission limits: prompt <= 2047 tokens, prompt + max_tokens <= 2048 tokens"
+               in line for line in roomy["capacity_lines"])
+    assert not any("never" in p for p in roomy["problems"])
     bsz = roomy["groups"][0]["block_size"]
     with pytest.raises(preflight.PlanError) as err:
         preflight.plan(model, max_num_seqs=4, max_model_len=2048, num_gpu_blocks=2048 // bsz - 1)
@@ -117,8 +119,9 @@ def test_plan_states_the_largest_admissible_request(tmp_path):
     else:
         tight = preflight.plan(model, max_num_seqs=4, max_model_len=2048,
                                num_gpu_blocks=2048 // bsz)
-        assert tight["largest_admissible_tokens"] == 2048 - bsz
-        assert any("a max_model_len request can never fit" in p for p in tight["problems"])
+        assert tight["admission"]["total_limit"] == 2048 - bsz + 1
+        assert any("a max_model_len request can never complete" in p
+                   for p in tight["problems"])
 
 
 def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
@@ -144,8 +147,12 @@ def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
     assert any("batches of 40-64 requests are not warmed" in x for x in r["warmup_lines"])
     assert any(p.startswith("V2 warmup: batches of 40-64") and
                f"--num-gpu-blocks >= {w['blocks_for_all']}" in p for p in r["problems"])
+    from vllm_kvguard.tools import layer_specs
+    from vllm_kvguard.tools.plan import engine_args
+
+    built = layer_specs.build(engine_args(model, max_num_seqs=64, max_model_len=256))
     vc = plan_config(model, max_num_seqs=64, max_model_len=256)
-    kvc = kv_cache_config(list(dict.fromkeys(preflight.kv_cache_specs(vc).values())), 40)
+    kvc = kv_cache_config(list(dict.fromkeys(built.specs.values())), 40)
     enough = dataclasses.replace(kvc, num_blocks=w["blocks_for_all"])
     assert warmup_check.feasibility(vc, enough)["skipped_shapes"] == []
     short = dataclasses.replace(kvc, num_blocks=w["blocks_for_all"] - 1)

@@ -25,26 +25,45 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
                 runner: str | None = None, min_cg_support: str = "ALWAYS", **engine_kwargs):
     """A real ``VllmConfig`` sized as vLLM sizes it on a (non-Blackwell) CUDA GPU, built on
     any machine: ``EngineArgs(...).create_engine_config()``, then the CUDA-graph sizing the
-    CPU platform skips (vLLM's own ``_set_cudagraph_sizes`` and, as the runner does,
-    ``resolve_cudagraph_mode_and_sizes``). ``engine_kwargs`` are ``EngineArgs`` fields
+    CPU platform skips (:func:`finish_config`). ``engine_kwargs`` are ``EngineArgs`` fields
     (``max_num_seqs``, ``speculative_config``, ``compilation_config`` with capture sizes...)."""
-    from vllm.config import CompilationMode
+    runner = runner or default_runner()
+    user_cc = dict(engine_kwargs.get("compilation_config") or {})
+    args = engine_args(model, **engine_kwargs)
+    with _some_platform():
+        vc = args.create_engine_config()
+    finish_config(vc, cudagraph_mode=cudagraph_mode, runner=runner, user_cc=user_cc,
+                  min_cg_support=min_cg_support)
+    return vc
+
+
+def engine_args(model: str | None = None, **engine_kwargs):
+    """``EngineArgs`` for a planned config: dummy weights, no tokenizer, bf16 unless given;
+    ``model`` None: the tiny Llama (a short context is enough)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_kvguard.tools.tiny_models import write_model
 
-    runner = runner or default_runner()
-    if runner == "v1" and not has_v1_runner():
-        raise ValueError("model runner V1 is gone from this vLLM (removed in 0.34.0); "
-                         "plan for --runner v2")
-    user_cc = dict(engine_kwargs.pop("compilation_config", None) or {})
+    engine_kwargs.pop("compilation_config", None)
     kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
-    if model is None:                    # the tiny model: a short context is enough
+    if model is None:
         model = _TINY.get("llama") or _TINY.setdefault("llama", write_model("llama"))
         kw["max_model_len"] = 2048
     kw.update(engine_kwargs, model=model)
-    with _some_platform():
-        vc = EngineArgs(**kw).create_engine_config()
+    return EngineArgs(**kw)
+
+
+def finish_config(vc, *, cudagraph_mode: str, runner: str, user_cc: dict | None = None,
+                  min_cg_support: str = "ALWAYS") -> None:
+    """The CUDA-graph sizing of a GPU engine on a created config: the mode, the user's own
+    capture sizes, vLLM's own ``_set_cudagraph_sizes`` and, as the runner does,
+    ``resolve_cudagraph_mode_and_sizes``."""
+    from vllm.config import CompilationMode
+
+    if runner == "v1" and not has_v1_runner():
+        raise ValueError("model runner V1 is gone from this vLLM (removed in 0.34.0); "
+                         "plan for --runner v2")
+    user_cc = user_cc or {}
     cc = vc.compilation_config
     mode = getattr(modes(), cudagraph_mode)
     cc.cudagraph_mode = mode
@@ -67,7 +86,6 @@ def plan_config(model: str | None = None, *, cudagraph_mode: str = "FULL_DECODE_
         extra["use_v2_model_runner"] = runner == "v2"
     resolve(getattr(AttentionCGSupport, min_cg_support), "FLASH_ATTN", 1 + num_spec(vc),
             **extra)
-    return vc
 
 
 #: ``CompilationConfig`` capture-size fields a user may set (the split ones from 0.34).

@@ -8,7 +8,7 @@
 * per KV-cache group: the spec-aware blocks one request holds at ``max_model_len`` and the
   true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.estimation.capacity` on a
   ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``);
-* the largest admissible request (:mod:`vllm_kvguard.fixes.estimation.admission`), and a problem
+* the admission limits (:mod:`vllm_kvguard.fixes.estimation.certificate`), and a problem
   when a ``max_model_len`` request can never fit;
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
   covers it (:mod:`vllm_kvguard.fixes.cudagraph.coverage`, sized as on a CUDA GPU by
@@ -61,66 +61,15 @@ def _model_dir(path: str) -> str:
     return str(p)
 
 
-# --------------------------------------------------------------------------- KV specs
-_ATTENTION_TYPES = {"attention", "full_attention", "sliding_attention", "hybrid"}
-_MAMBA_TYPES = {"mamba", "mamba2", "linear_attention"}
-
-
-def kv_cache_specs(vllm_config) -> dict:
-    """``{layer name: KVCacheSpec}`` as the model's attention / Mamba layers would report
-    them for this config (the same fields vLLM's layers fill in)."""
-    import torch
-    from vllm.v1 import kv_cache_interface as kci
-
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else getattr(
-        torch, str(cc.cache_dtype).replace("fp8", "float8_e4m3fn"), mc.dtype)
-    n_attn = mc.get_num_layers_by_block_type(pc, "attention")
-    n_mamba = mc.get_num_layers_by_block_type(pc, "mamba") if mc.is_hybrid else 0
-    types = (getattr(mc.hf_text_config, "layers_block_type", None)
-             or getattr(mc.hf_text_config, "layer_types", None))
-    if mc.is_hybrid and types and not n_mamba:     # names vLLM's count does not know
-        n_attn = sum(t in _ATTENTION_TYPES for t in types)
-        n_mamba = sum(t in _MAMBA_TYPES for t in types)
-    # In the model's layer order where the config gives it: vLLM numbers the KV-cache
-    # groups in the order their layers first appear.
-    order = [("attn" if t in _ATTENTION_TYPES else "mamba") for t in types or ()
-             if t in _ATTENTION_TYPES or t in _MAMBA_TYPES]
-    if not mc.is_hybrid or (order.count("attn"), order.count("mamba")) != (n_attn, n_mamba):
-        order = ["attn"] * n_attn + ["mamba"] * n_mamba
-    head = dict(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
-                head_size=mc.get_head_size(), dtype=dtype)
-    window = mc.get_sliding_window()
-    kinds = {"attn": kci.SlidingWindowSpec(**head, sliding_window=window) if window
-             else kci.FullAttentionSpec(**head)}
-    if n_mamba:
-        import inspect
-
-        from vllm.model_executor.models import ModelRegistry
-
-        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
-        shapes = tuple(cls.get_mamba_state_shape_from_config(vllm_config))
-        dtypes = tuple(cls.get_mamba_state_dtype_from_config(vllm_config))
-        params = inspect.signature(kci.MambaSpec).parameters
-        extra = dict(page_size_padded=cc.mamba_page_size_padded,
-                     mamba_cache_mode=cc.mamba_cache_mode,
-                     num_speculative_blocks=int(getattr(vllm_config, "num_speculative_tokens",
-                                                        0) or 0),
-                     mamba_type=getattr(cls, "mamba_type", None) or "mamba2")
-        extra = {k: v for k, v in extra.items() if k in params and v is not None}
-        kinds["mamba"] = kci.MambaSpec(shapes=shapes, dtypes=dtypes,
-                                       block_size=cc.mamba_block_size, **extra)
-    return {f"layers.{i}.{kind}": kinds[kind] for i, kind in enumerate(order)}
-
-
-def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | None):
-    """The ``KVCacheConfig`` EngineCore would build over :func:`kv_cache_specs`: the same
+# --------------------------------------------------------------------------- KV cache
+def kv_cache_config(vllm_config, specs: dict, *, num_gpu_blocks: int | None,
+                    kv_bytes: int | None):
+    """The ``KVCacheConfig`` EngineCore would build over the runner's ``specs``: the same
     calls in the same order, through the names ``vllm.v1.engine.core`` binds on each pin
     (vLLM 0.29+ resolves a KV cache layout first; 0.33 moved ``get_kv_cache_configs`` to
     ``kv_cache_planning`` and groups the layers before it)."""
     from vllm.v1.engine import core
 
-    specs = kv_cache_specs(vllm_config)
     if not specs:
         raise PlanError("no attention or Mamba layers found in this config.json")
     if hasattr(core, "resolve_kv_cache_layout"):
@@ -144,64 +93,6 @@ def kv_cache_config(vllm_config, *, num_gpu_blocks: int | None, kv_bytes: int | 
         raise PlanError(f"vLLM would refuse to start with this KV cache: {first}. Lower "
                         f"--max-model-len, or raise --num-gpu-blocks / --gpu-memory-gib"
                         ) from None
-
-
-def align_block_size(vllm_config, attention_backend: str) -> None:
-    """What the executor does once the model's layers exist (``Platform.
-    update_block_size_for_backend``): a hybrid model's attention block size grows, in the
-    backend's kernel block multiples, until one page holds a Mamba state, and the Mamba
-    page is padded to it. ``attention_backend``: an ``AttentionBackendEnum`` name."""
-    if not vllm_config.model_config.is_hybrid:
-        return
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    try:
-        backend = AttentionBackendEnum[attention_backend].get_class()
-    except (KeyError, ImportError) as exc:
-        raise PlanError(f"--attention-backend {attention_backend}: {type(exc).__name__} "
-                        f"{exc}; expected an attention backend vLLM knows, e.g. FLASH_ATTN "
-                        f"(CUDA) or CPU_ATTN") from None
-    Platform._align_hybrid_block_size(vllm_config, backend)
-
-
-def attention_block_size(vllm_config, device: str, block_size: int | None) -> str:
-    """Set the attention block size vLLM would pick on ``device`` (before any hybrid
-    alignment) and return the attention backend to align with. ``cuda``: FlashAttention's
-    preferred size from ``CacheConfig.DEFAULT_BLOCK_SIZE``, vLLM's own CUDA platform path
-    (``Platform.update_block_size_for_backend``); ``cpu``: the CPU platform's choice, as
-    the config was built. ``block_size``: the user's ``--block-size``, kept as vLLM keeps it."""
-    cc = vllm_config.cache_config
-    backend = "FLASH_ATTN" if device == "cuda" else "CPU_ATTN"
-    if block_size is not None:
-        cc.block_size = block_size
-        if hasattr(cc, "user_specified_block_size"):
-            cc.user_specified_block_size = True
-        return backend
-    if device == "cuda":
-        cc.block_size = cuda_block_size(vllm_config)
-    return backend
-
-
-def cuda_block_size(vllm_config) -> int:
-    """FlashAttention's block size on a CUDA GPU, by the installed vLLM's own platform code
-    (``Platform.update_block_size_for_backend``'s first phase: 16 up to 0.33; 0.34 raised
-    ``CacheConfig.DEFAULT_BLOCK_SIZE`` to 64)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.config.cache import CacheConfig
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    default = int(CacheConfig.DEFAULT_BLOCK_SIZE)
-    try:
-        cls = AttentionBackendEnum["FLASH_ATTN"].get_class()
-    except ImportError:              # no FlashAttention class here: vLLM's default
-        return default
-    pick = getattr(Platform, "_preferred_block_size_for_backends", None)     # 0.32+
-    if pick is not None:
-        return int(pick([cls], default, vllm_config))
-    with set_current_vllm_config(vllm_config):                               # 0.27.1
-        return int(cls.get_preferred_block_size(default))
 
 
 class _CudaGpu:
@@ -266,34 +157,14 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          block_size: int | None = None, usage: str = "serve",
          cudagraph_mode: str = "FULL_AND_PIECEWISE",
          enable_prefix_caching: bool | None = None,
-         attention_backend: str | None = None) -> dict:
-    from vllm_kvguard.fixes.estimation import admission, capacity
-    from vllm_kvguard.fixes.cudagraph.coverage import format_table
-    from vllm_kvguard.fixes.cudagraph.planner import audit
-    from vllm_kvguard.tools import warmup_check
-    from vllm_kvguard.tools.plan import default_runner, plan_config, plan_owner
+         attention_backend: str | None = None, kv_cache_dtype: str | None = None,
+         keep: dict | None = None) -> dict:
+    """The plan as a JSON-able dict. ``keep``, if given, receives the objects it was
+    computed from: ``vllm_config``, ``specs`` (the runner's), ``kv_cache_config``."""
+    from vllm_kvguard.fixes.estimation import capacity, certificate
+    from vllm_kvguard.tools import layer_specs
+    from vllm_kvguard.tools.plan import engine_args, finish_config
 
-    runner = runner or default_runner()
-
-    kw: dict = dict(max_num_seqs=max_num_seqs)
-    if max_model_len:
-        kw["max_model_len"] = max_model_len
-    if not max_num_batched_tokens and device == "cuda":
-        max_num_batched_tokens = cuda_token_budget(usage, gpu_memory_gib, max_num_seqs,
-                                                   max_model_len)
-    if max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = max_num_batched_tokens
-    if enable_prefix_caching is not None:
-        kw["enable_prefix_caching"] = enable_prefix_caching
-    if speculative_config:
-        kw["speculative_config"] = dict(speculative_config)
-    kw["compilation_config"] = dict(compilation_config or {})
-    try:
-        vc = plan_config(model, cudagraph_mode=cudagraph_mode, runner=runner, **kw)
-    except Exception as exc:
-        raise PlanError(f"vLLM rejected these settings: {type(exc).__name__}: "
-                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                        ) from None
     kv_bytes = None
     if num_gpu_blocks is None:
         if gpu_memory_gib is None:
@@ -303,28 +174,127 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         if kv_bytes <= 0:
             raise PlanError("--gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
                             "leaves no KV cache memory")
-    backend = attention_block_size(vc, device, block_size)
-    align_block_size(vc, attention_backend or backend)
-    kvc = kv_cache_config(vc, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
+    if kv_cache_dtype is not None:
+        from typing import get_args
+
+        from vllm.config.cache import CacheDType
+
+        if kv_cache_dtype not in get_args(CacheDType):
+            raise PlanError(f"--kv-cache-dtype {kv_cache_dtype}: expected one of "
+                            f"{', '.join(get_args(CacheDType))}")
+    kw: dict = dict(max_num_seqs=max_num_seqs)
+    if not max_num_batched_tokens and device == "cuda":
+        max_num_batched_tokens = cuda_token_budget(usage, gpu_memory_gib, max_num_seqs,
+                                                   max_model_len)
+    for name, value in (("max_model_len", max_model_len), ("block_size", block_size),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("enable_prefix_caching", enable_prefix_caching),
+                        ("attention_backend", attention_backend),
+                        ("kv_cache_dtype", kv_cache_dtype)):
+        if value is not None:
+            kw[name] = value
+    if speculative_config:
+        kw["speculative_config"] = dict(speculative_config)
+    chosen: dict = {}
+
+    def configure(vc):                  # on the platform, before the model is built
+        chosen["runner"] = runner or layer_specs.default_runner(vc)
+        finish_config(vc, cudagraph_mode=cudagraph_mode, runner=chosen["runner"],
+                      user_cc=dict(compilation_config or {}))
+
+    def within(vc, specs):
+        return kv_cache_config(vc, specs, num_gpu_blocks=num_gpu_blocks, kv_bytes=kv_bytes)
+
+    try:
+        built = layer_specs.build(engine_args(model, **kw), device=device,
+                                  gpu_memory_gib=gpu_memory_gib, configure=configure,
+                                  within=within)
+    except PlanError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip()
+        raise PlanError(f"vLLM rejected these settings: {type(exc).__name__}: "
+                        f"{text.splitlines()[0] if text else ''}") from None
+    vc, kvc, runner = built.vllm_config, built.result, chosen["runner"]
+    if keep is not None:
+        keep.update(vllm_config=vc, specs=built.specs, kv_cache_config=kvc)
     cap = capacity.compute(vc, kvc)
-    cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
-    gaps = [r for r in cov.rows if r.first_gap is not None and not r.family.no_draft]
-    cert = admission.from_configs(vc, kvc)
-    largest = cert.largest
+    cert = certificate.from_configs(vc, kvc)
     problems = [w.rstrip(".") for w in cap.warnings]
-    if cap.vllm_concurrency is not None and \
-            round(cap.vllm_concurrency, 2) == round(cap.true_concurrency, 2):
-        problems = [p for p in problems if "concurrency" not in p]   # same figure twice
-    if cert.max_total < cert.max_model_len:
-        group, blocks = cert.bounding_group(cert.max_model_len)
-        problems.append(f"a max_model_len request can never fit: at {cert.max_model_len} "
-                        f"tokens it holds at least {cert.need(cert.max_model_len)} blocks "
-                        f"(group {group}: {blocks}) of {cert.usable} usable; requests "
-                        f"reaching more than {largest} tokens are failed. Lower "
-                        f"--max-model-len to {cert.max_total} or give the KV cache more memory")
-    for r in gaps:
-        problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests run "
-                        f"{r.gap_mode}; fix: {r.fix}")
+    if cap.vllm_concurrency is not None and not capacity.overstated(cap):
+        problems = [p for p in problems if "concurrency" not in p]   # the same figure
+    limits = cert.limits()
+    mml = cert.max_model_len
+    if limits["total_limit"] < mml:
+        problems.append(f"a max_model_len request can never complete: prompt + max_tokens "
+                        f"<= {limits['total_limit']} tokens can ({limits['total_group']}). "
+                        f"Lower --max-model-len to {limits['total_limit']} or give the KV "
+                        f"cache more memory")
+    if limits["prompt_limit"] < mml - 1:
+        problems.append(f"prompts over {limits['prompt_limit']} tokens can never be admitted "
+                        f"({limits['prompt_group']}); the door refuses them. Lower "
+                        f"--max-model-len to {limits['prompt_limit'] + 1} or give the KV "
+                        f"cache more memory")
+    out = _graphs_and_warmup(vc, kvc, cap, runner, problems)
+    tokens, vllm_conc = _vllm_capacity(vc, kvc)
+    return {
+        "model": model, "architecture": list(vc.model_config.architectures),
+        "device": device, "usage": usage, "runner": runner,
+        "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
+        "max_in_flight_tokens": capacity.in_flight_tokens(vc),
+        "max_num_seqs": cap.max_num_seqs, "max_model_len": cap.max_model_len,
+        "num_speculative_tokens": cap.num_spec_tokens, "lookahead": cap.lookahead,
+        "layers": [dict(kind=k, count=n) for k, n in built.kinds()],
+        "notes": built.notes + ([
+            f"KV memory = --gpu-memory-gib x --gpu-memory-utilization - --weights-gib "
+            f"({kv_bytes / 2**30:.2f} GiB): vLLM also subtracts the activation peak and "
+            f"CUDA graph memory it profiles at startup (unknown without weights), so blocks "
+            f"and concurrency are upper bounds unless --weights-gib includes them"]
+            if kv_bytes is not None else []),
+        "num_blocks": cap.num_blocks, "usable_blocks": cap.usable,
+        "kv_cache_tokens": tokens,
+        "groups": [dict(index=g.index, kind=g.kind, block_size=g.block_size,
+                        layers=len(kvc.kv_cache_groups[g.index].layer_names),
+                        blocks_per_request_plain=g.plain, blocks_per_request_spec=g.spec,
+                        decode_blocks=g.decode) for g in cap.groups],
+        "blocks_per_request_spec": cap.per_request_spec,
+        "true_concurrency": cap.true_concurrency,
+        "vllm_concurrency": vllm_conc,
+        "decodes_that_fit": cap.decodes_that_fit if cap.has_mamba else None,
+        "admission": {k: limits[k] for k in ("prompt_limit", "total_limit",
+                                              "prompt_group", "total_group")},
+        "capacity_lines": capacity.format_report(cap) + ["  " + limits["statement"]],
+        **out, "problems": problems, "verdict": "OK" if not problems else "ACTION NEEDED",
+    }
+
+
+def _vllm_capacity(vllm_config, kv_cache_config) -> tuple[int | None, float | None]:
+    """The tokens and concurrency vLLM itself logs for this KV cache (its own function)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+        tokens, conc = get_kv_cache_capacity(vllm_config, kv_cache_config)
+        return int(tokens), float(conc)
+    except ImportError:                          # a vLLM without it: its concurrency alone
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        conc = float(get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config))
+        return int(conc * vllm_config.model_config.max_model_len), conc
+
+
+def _graphs_and_warmup(vc, kvc, cap, runner: str, problems: list[str]) -> dict:
+    """CUDA-graph coverage per draft length and V2 warmup feasibility; their problems are
+    appended to ``problems``."""
+    from vllm_kvguard.fixes.cudagraph.coverage import format_table
+    from vllm_kvguard.fixes.cudagraph.planner import audit
+    from vllm_kvguard.tools import warmup_check
+    from vllm_kvguard.tools.plan import plan_owner
+
+    cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
+    for r in cov.rows:
+        if r.first_gap is not None and not r.family.no_draft:
+            problems.append(f"CUDA graphs: {r.family.q - 1} drafts, {r.first_gap} requests "
+                            f"run {r.gap_mode}; fix: {r.fix}")
     try:
         warmup = warmup_check.feasibility(vc, kvc, runner)
         problems += [p for p in [warmup_check.problem(warmup)] if p]
@@ -333,41 +303,29 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         warmup = None
         warmup_lines = [f"warmup feasibility: not checked on this vLLM "
                         f"({type(exc).__name__}: {exc})"]
-    verdict = "OK" if not problems else "ACTION NEEDED"
-    return {
-        "model": model, "architecture": list(vc.model_config.architectures),
-        "device": device, "usage": usage,
-        "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
-        "max_num_seqs": cap.max_num_seqs, "max_model_len": cap.max_model_len,
-        "num_speculative_tokens": cap.num_spec_tokens, "lookahead": cap.lookahead,
-        "num_blocks": cap.num_blocks, "usable_blocks": cap.usable,
-        "groups": [dict(index=g.index, kind=g.kind, block_size=g.block_size,
-                        layers=len(kvc.kv_cache_groups[g.index].layer_names),
-                        blocks_per_request_plain=g.plain, blocks_per_request_spec=g.spec,
-                        decode_blocks=g.decode) for g in cap.groups],
-        "blocks_per_request_spec": cap.per_request_spec,
-        "true_concurrency": round(cap.true_concurrency, 4),
-        "vllm_concurrency": None if cap.vllm_concurrency is None
-        else round(cap.vllm_concurrency, 4),
-        "decodes_that_fit": cap.decodes_that_fit if cap.has_mamba else None,
-        "largest_admissible_tokens": largest,
-        "capacity_lines": capacity.format_report(cap) + ["  " + cert.statement()],
-        "coverage": [dict(drafts=r.family.q - 1, zero_draft=r.family.no_draft,
-                          requests=[r.family.lo, r.family.hi], covered=r.covered,
-                          first_uncovered=r.first_gap, mode_there=r.gap_mode or None,
-                          fix=r.fix or None, fix_setting=r.fix_setting or None)
-                     for r in cov.rows],
-        "coverage_table": format_table(cov),
-        "warmup": warmup, "warmup_lines": warmup_lines,
-        "problems": problems, "verdict": verdict,
-    }
+    return {"coverage": [dict(drafts=r.family.q - 1, zero_draft=r.family.no_draft,
+                              requests=[r.family.lo, r.family.hi], covered=r.covered,
+                              first_uncovered=r.first_gap, mode_there=r.gap_mode or None,
+                              fix=r.fix or None, fix_setting=r.fix_setting or None)
+                         for r in cov.rows],
+            "coverage_table": format_table(cov), "warmup": warmup,
+            "warmup_lines": warmup_lines}
 
 
 def format_plan(result: dict) -> str:
+    layers = ", ".join(f"{x['count']} x {x['kind']}" for x in result["layers"])
     out = [f"planned for: --device {result['device']} ({USAGE_TEXT[result['usage']]}), "
-           f"max_num_seqs={result['max_num_seqs']}, max_num_batched_tokens="
-           f"{result['max_num_batched_tokens']}", *result["capacity_lines"], "",
-           result["coverage_table"], "", *result["warmup_lines"], ""]
+           f"model runner {result['runner']}, max_num_seqs={result['max_num_seqs']}, "
+           f"max_num_batched_tokens={result['max_num_batched_tokens']} (in flight: "
+           f"{result['max_in_flight_tokens']})",
+           f"layers (vLLM's own KV specs): {layers}"]
+    out += [f"  note: {n}" for n in result["notes"]]
+    if result["vllm_concurrency"] is not None:
+        out.append(f"vLLM would log: KV cache size: {result['kv_cache_tokens']:,} tokens, "
+                   f"Maximum concurrency for {result['max_model_len']:,} tokens per request: "
+                   f"{result['vllm_concurrency']:.2f}x ({result['num_blocks']:,} blocks)")
+    out += [*result["capacity_lines"], "", result["coverage_table"], "",
+            *result["warmup_lines"], ""]
     out.append(f"verdict: {result['verdict']}" + (
         "" if not result["problems"] else " - " + "; ".join(result["problems"])))
     return "\n".join(out)
@@ -397,10 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-gib", type=float, default=0.0,
                    help="with --gpu-memory-gib: memory not for KV (weights, activations)")
     p.add_argument("--runner", choices=("v1", "v2"), default=None,
-                   help="model runner (default: v1 where vLLM has it; v2 from vLLM 0.34)")
+                   help="model runner (default: the one vLLM picks on CUDA: V2 from 0.32 "
+                        "unless a feature needs V1; only V2 from 0.34)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="size as vLLM would on this device (default cuda: FlashAttention's "
-                        "block size; cpu: vLLM-CPU's)")
+                   help="size as vLLM would on this device (default cuda: vLLM's CUDA "
+                        "platform, an sm_90 GPU; cpu: vLLM-CPU's)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens, as vLLM's --block-size (default: vLLM's "
                         "choice on --device)")
@@ -415,9 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "NONE"), help="NONE: what an eager engine (and vLLM on CPU) "
                                           "runs; default FULL_AND_PIECEWISE")
     p.add_argument("--attention-backend", default=None, metavar="NAME",
-                   help="the attention backend whose kernel block sizes a hybrid model's "
-                        "block size aligns to (default: FLASH_ATTN with --device cuda, "
-                        "CPU_ATTN with --device cpu)")
+                   help="as vLLM's flag (default: vLLM's choice on --device)")
+    p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="as vLLM's flag, e.g. fp8 (default: auto, the model's dtype)")
     p.add_argument("--json", metavar="PATH", default=None, help="write JSON here (- = stdout)")
     return p
 
@@ -427,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     stdout = sys.stdout
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM's lines: stderr
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")         # a local config.json: no hub
     try:
         model = _model_dir(a.model)
         spec = _json_arg("--speculative-config", a.speculative_config)
@@ -449,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                           block_size=a.block_size, usage=a.usage,
                           cudagraph_mode=a.cudagraph_mode,
                           enable_prefix_caching=a.enable_prefix_caching,
-                          attention_backend=a.attention_backend)
+                          attention_backend=a.attention_backend,
+                          kv_cache_dtype=a.kv_cache_dtype)
         finally:
             sys.stdout = stdout
     except PlanError as exc:

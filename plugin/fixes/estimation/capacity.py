@@ -167,18 +167,24 @@ def _spec_key(spec):
 
 
 def _group_figures(specs, *, mml: int, k: int, la: int, dcp: int, chunk: int, enc: int,
-                   estimate) -> list[GroupCapacity]:
-    """Per non-host group: (index, spec) -> :class:`GroupCapacity` (the costly part)."""
+                   estimate, inflight: int = 0) -> list[GroupCapacity]:
+    """Per non-host group: (index, spec) -> :class:`GroupCapacity` (the costly part).
+    Windowed groups (sliding window, chunked local) free blocks on the processed-token
+    basis, so they hold the ``inflight`` tokens of every batch not yet settled: their
+    prefill steps are ``inflight`` tokens long, as vLLM reserves them."""
     out = []
     for i, spec in specs:
+        windowed = bool(getattr(spec, "sliding_window", None)
+                        or getattr(spec, "attention_chunk_size", None))
+        step_chunk = max(chunk, inflight) if windowed else chunk
         no_spec = _without_spec_blocks(spec)
-        with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk,
+        with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=step_chunk,
                                 lookahead=la, encoder_len=enc, dcp=dcp, estimate=estimate)
         if k == 0 and la == 0 and no_spec is spec:   # the same pass: no speculation at all
             plain = with_spec
         else:
-            plain = peak_blocks(no_spec, max_model_len=mml, step=1, chunk=chunk, lookahead=0,
-                                encoder_len=enc, dcp=dcp, estimate=estimate)
+            plain = peak_blocks(no_spec, max_model_len=mml, step=1, chunk=step_chunk,
+                                lookahead=0, encoder_len=enc, dcp=dcp, estimate=estimate)
         is_mamba = hasattr(spec, "mamba_cache_mode")
         bsz = manager_block_size(spec, dcp)
         # A short decoding sequence: attention at its smallest; Mamba at its worst step
@@ -216,6 +222,22 @@ def clear_cache() -> None:
     _GROUPS_CACHE.clear()
 
 
+def in_flight_tokens(vllm_config) -> int:
+    """Tokens scheduled but not yet settled: vLLM's ``max_in_flight_tokens`` (one token
+    budget per concurrent batch: 2 with async scheduling) where it has it, else one budget."""
+    value = getattr(vllm_config, "max_in_flight_tokens", None)
+    if value is None:
+        return int(vllm_config.scheduler_config.max_num_batched_tokens)
+    return int(value)
+
+
+def overstated(cap: "Capacity") -> bool:
+    """Whether vLLM's concurrency figure overstates the spec-aware one by more than rounding
+    (1 request and 1%), decided on the unrounded figures."""
+    return cap.vllm_concurrency is not None and (
+        cap.vllm_concurrency - cap.true_concurrency > max(1.0, 0.01 * cap.vllm_concurrency))
+
+
 def compute(vllm_config, kv_cache_config) -> Capacity:
     mml = int(vllm_config.model_config.max_model_len)
     sched = vllm_config.scheduler_config
@@ -230,7 +252,10 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
                    vllm_concurrency=_vllm_concurrency(vllm_config, kv_cache_config),
                    full_decode_graphs=_full_decode_graphs(vllm_config))
     specs = device_groups(kv_cache_config)
-    cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc)
+    inflight = in_flight_tokens(vllm_config) if getattr(
+        sched, "enable_chunked_prefill", True) else mml
+    cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc,
+                         inflight=inflight)
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)
@@ -247,13 +272,15 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
             f"--max-num-seqs to {max(1, cap.decodes_that_fit)} or give the KV cache more memory.")
     # Warn only when it matters: fewer than max_num_seqs full-length requests fit, or vLLM's
     # figure overstates the truth by more than rounding (1 request and 1%); else INFO only.
-    if cap.vllm_concurrency is not None and (cap.true_concurrency < cap.max_num_seqs or (
-            cap.vllm_concurrency - cap.true_concurrency > max(1.0, 0.01 * cap.vllm_concurrency))):
+    if cap.vllm_concurrency is not None and (cap.true_concurrency < cap.max_num_seqs
+                                             or overstated(cap)):
+        spec = (f"speculative decoding ({k} draft tokens/step, lookahead {la}) and "
+                if k or la else "")
         cap.warnings.append(
             f"vLLM reports maximum concurrency {cap.vllm_concurrency:.2f}x for "
-            f"{mml} tokens per request; with speculative decoding ({k} draft tokens/step, "
-            f"lookahead {la}) and the null block it is {cap.true_concurrency:.2f}x "
-            f"({cap.per_request_spec} blocks per request of {cap.usable} usable).")
+            f"{mml} tokens per request; with {spec}the null block it is "
+            f"{cap.true_concurrency:.2f}x ({cap.per_request_spec} blocks per request of "
+            f"{cap.usable} usable).")
     return cap
 
 

@@ -434,4 +434,10 @@ def from_configs(vllm_config, kv_cache_config) -> Certificate:
     kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                   structured_output_manager=StructuredOutputManager(vllm_config),
                   block_size=vllm_config.cache_config.block_size, log_stats=False)
-    return from_scheduler(Scheduler(**_accepted(Scheduler.__init__, kwargs)))
+    cache = vllm_config.cache_config
+    before = cache.num_gpu_blocks             # as vLLM sets it once the pool is sized
+    cache.num_gpu_blocks = int(kv_cache_config.num_blocks)
+    try:
+        return from_scheduler(Scheduler(**_accepted(Scheduler.__init__, kwargs)))
+    finally:
+        cache.num_gpu_blocks = before
