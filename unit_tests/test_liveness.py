@@ -172,3 +172,24 @@ def test_guard_leaves_requests_alone_while_others_run():
     finished, _ = run(sched, 40)
     assert finished == {"long": "length", "next": "length"}
     assert "liveness" not in report.snapshot()
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
+def test_a_request_preempted_past_what_the_gate_readmits_is_ended(caching):
+    """Full attention + sliding window 32 (17 usable blocks): a request decodes until the
+    pool is full, preempts itself, and vLLM's gate never takes its whole sequence back:
+    vLLM alone leaves it PREEMPTED forever; the guard ends it with its numbers (the
+    certificate's proof without prefix caching, the fixed point with it)."""
+    from vllm_kvguard.testing import sched_layouts as sl
+
+    results = {}
+    for on in (False, True):
+        _activate(on)
+        sched = sl.build(sl.Layout(("full", "swa"), prefix_caching=caching))
+        sched.add_request(make_request("grows", prompt(5, 8), max_tokens=240))
+        finished, _ = run(sched, 400)
+        req = sched.requests.get("grows")
+        results[on] = (finished.get("grows"), req and req.status.name)
+    assert results[False] == (None, "PREEMPTED")                    # vLLM alone: stuck
+    assert results[True] == ("error", None)
+    assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
