@@ -17,14 +17,14 @@ What vLLM 0.32 does on these engines (measured, and asserted below):
   is ``max_model_len`` without prefix caching; null block reserved), and
   ``allocate_slots(full_sequence_must_fit=True)`` counts ``min(num_tokens,
   max_model_len)`` with those caps. So on any pool the engine starts with, a lone prompt
-  up to ``max_model_len`` passes the gate: ``P == decode_limit == max_model_len`` and
+  up to ``max_model_len`` passes the gate: ``P + 1 == decode_limit == max_model_len`` and
   there is no prompt between the old limit and the true one to hang. The gap of issue 42
   (Mamba ``none`` with blocks smaller than ``max_model_len``) needs
   ``--mamba-block-size`` without prefix caching, which vLLM 0.32 refuses
   (``validate_mamba_block_size``), and the pools of the unit layouts, which its startup
   check refuses. The first two cases pin that down: one block less and vLLM refuses to
   start; at the smallest pool, a prompt of ``max_model_len - 4`` (+ 4 tokens) completes
-  with and without the plugin, and the door's startup line says ``prompt <= 1024``.
+  with and without the plugin, and the door's startup line says ``prompt <= 1023``.
 * Mamba ``align`` (prefix caching on) with ``max_num_batched_tokens`` below the block
   size (on CPU vLLM raises the hybrid block size to 256 tokens): vLLM keeps the Mamba
   state private across chunks shorter than a block (``Scheduler._mamba_block_aligned_split``)
@@ -233,9 +233,9 @@ def test_on_the_smallest_pool_vllm_starts_with_every_prompt_up_to_max_model_len_
         assert r["mamba_cache_mode"] == c["mode"] or c["mode"] is None, r
         # The gate admits what the startup check sized for: no prompt between the old
         # decode model's limit and the true one.
-        assert r["prompt_limit"] == r["decode_limit"] == r["total_limit"] == mml, r
+        assert r["prompt_limit"] + 1 == r["decode_limit"] == r["total_limit"] == mml, r
         assert _completed(r) == [n for n, _ in c["prompts"]], r["prompts"]
-    statement = f"admission limits: prompt <= {mml} tokens, prompt + max_tokens <= {mml}"
+    statement = f"admission limits: prompt <= {mml - 1} tokens, prompt + max_tokens <= {mml}"
     assert any(statement in line for line in on["limits_log"]), on["limits_log"]
     assert not off["limits_log"], off["limits_log"]            # the plugin was off there
 
