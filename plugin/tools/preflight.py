@@ -219,18 +219,22 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     if keep is not None:
         keep.update(vllm_config=vc, specs=built.specs, kv_cache_config=kvc)
     cap = capacity.compute(vc, kvc)
-    cert = certificate.from_configs(vc, kvc)
     problems = [w.rstrip(".") for w in cap.warnings]
     if cap.vllm_concurrency is not None and not capacity.overstated(cap):
         problems = [p for p in problems if "concurrency" not in p]   # the same figure
-    limits = cert.limits()
-    mml = cert.max_model_len
-    if limits["total_limit"] < mml:
+    try:
+        limits = certificate.from_configs(vc, kvc).limits()
+    except Exception as exc:    # vLLM's scheduler would not build from these configs here
+        limits = dict(prompt_limit=None, total_limit=None, prompt_group="", total_group="",
+                      statement=f"admission limits: not computed here (vLLM's scheduler: "
+                                f"{type(exc).__name__}: {str(exc)[:120]})")
+    mml = int(vc.model_config.max_model_len)
+    if limits["total_limit"] is not None and limits["total_limit"] < mml:
         problems.append(f"a max_model_len request can never complete: prompt + max_tokens "
                         f"<= {limits['total_limit']} tokens can ({limits['total_group']}). "
                         f"Lower --max-model-len to {limits['total_limit']} or give the KV "
                         f"cache more memory")
-    if limits["prompt_limit"] < mml - 1:
+    if limits["prompt_limit"] is not None and limits["prompt_limit"] < mml - 1:
         problems.append(f"prompts over {limits['prompt_limit']} tokens can never be admitted "
                         f"({limits['prompt_group']}); the door refuses them. Lower "
                         f"--max-model-len to {limits['prompt_limit'] + 1} or give the KV "

@@ -96,15 +96,12 @@ def gate_counter(scheduler):
     """vLLM's admission count for a request alone with ``n`` tokens and nothing computed:
     each single-type manager's ``get_num_blocks_to_allocate`` as the coordinator calls
     it from ``allocate_slots(full_sequence_must_fit=True)`` (0.32 kv_cache_manager.py
-    522-539, kv_cache_coordinator.py 232-259; 0.34 the same calls). Returns
-    ``count(n, prefill_end) -> [blocks per group]`` or None where this vLLM has no gate.
+    522-539, kv_cache_coordinator.py 232-259; 0.34 the same calls; 0.27.1 the same gate
+    with no admission caps). Returns ``count(n, prefill_end) -> [blocks per group]``.
     The managers keep no trace: the sentinel entry a call may create is removed."""
     manager = scheduler.kv_cache_manager
     coordinator = manager.coordinator
     managers = tuple(coordinator.single_type_managers)
-    if "apply_admission_cap" not in inspect.signature(
-            coordinator.get_num_blocks_to_allocate).parameters:
-        return None
     interval = getattr(coordinator, "retention_interval", 0)
     cross = {i for i, m in enumerate(managers) if type(m).__name__ == "CrossAttentionManager"}
 
@@ -129,6 +126,18 @@ def gate_counter(scheduler):
     return count
 
 
+def _threshold_when_alone() -> bool:
+    """Whether this vLLM caps a lone request's chunk at ``long_prefill_token_threshold``:
+    before 0.32 it always does (0.27.1 scheduler.py 521, 899); from 0.32 only when two or
+    more requests are eligible (0.32 scheduler.py 643-649)."""
+    from packaging.version import Version
+
+    from vllm_kvguard.versions import vllm_version
+
+    version = vllm_version()
+    return version is not None and version < Version("0.32")
+
+
 def schedule_of(scheduler) -> Schedule:
     """The lone-request schedule of ``scheduler`` (0.32 scheduler.py 608-613 budgets,
     643-649 the threshold off when alone, 1137-1166 chunking; 0.34 the same lines)."""
@@ -138,6 +147,9 @@ def schedule_of(scheduler) -> Schedule:
     budget = min(int(getattr(scheduler, "max_num_scheduled_tokens", None)
                      or sc.max_num_batched_tokens),
                  int(sc.max_num_batched_tokens) - draft_slots)
+    threshold = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
+    if 0 < threshold < budget and _threshold_when_alone():
+        budget = threshold
     batches = int(getattr(vc, "max_concurrent_batches", 1) or 1)
     if not getattr(sc, "async_scheduling", False):
         batches = 1
