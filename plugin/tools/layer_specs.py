@@ -198,12 +198,7 @@ class cuda_platform:
         from vllm_kvguard.tools.plan import _some_platform
 
         with _some_platform():                # a CUDA wheel here: import under CPU's
-            for name in PREIMPORT:
-                try:
-                    importlib.import_module(name)
-                except Exception:             # noqa: BLE001 - optional on some pins
-                    pass
-            self.missing = _preimport_model(self.architectures)
+            self.missing = _preimport(self.architectures)
         self.platform = stand_in_class(self.capability, self.gib)()
         self.rebound = []                     # [(module, the platform it had bound)]
         for name, mod in list(sys.modules.items()):
@@ -245,12 +240,7 @@ class cpu_platform(cuda_platform):
 
         self.some = _some_platform()
         self.some.__enter__()
-        for name in PREIMPORT:
-            try:
-                importlib.import_module(name)
-            except Exception:                 # noqa: BLE001 - optional on some pins
-                pass
-        self.missing = _preimport_model(self.architectures)
+        self.missing = _preimport(self.architectures)
         _clear_backend_cache()
         return platforms.current_platform
 
@@ -268,6 +258,17 @@ def _clear_backend_cache() -> None:
         fn = getattr(selector, name, None)
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
+
+
+def _preimport(architectures) -> list:
+    """Import :data:`PREIMPORT` (each optional on some pins), then the model's classes;
+    returns what :func:`_preimport_model` could not import."""
+    for name in PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except Exception:                     # noqa: BLE001 - optional on some pins
+            pass
+    return _preimport_model(architectures)
 
 
 def _preimport_model(architectures) -> list[str]:
@@ -382,8 +383,8 @@ def build(engine_args, *, device: str = "cuda", capability=DEFAULT_CAPABILITY,
         used = "/".join(sorted({b for (kind, b) in backends if "Attention" in kind
                                 and b.upper() not in _MAMBA_BACKENDS}))
         if name == "MLA prefill":
-            out.notes.append(f"no MLA prefill kernel loads here; prefill kernels hold no "
-                             f"KV cache (specs unchanged)")
+            out.notes.append("no MLA prefill kernel loads here; prefill kernels hold no "
+                             "KV cache (specs unchanged)")
             continue
         out.notes.append(f"attention backend {name} ranks first on CUDA {sm} but cannot "
                          f"load here ({why[:80]}); vLLM's next choice {used} stands in: "
