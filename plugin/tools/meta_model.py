@@ -22,13 +22,16 @@ def ensure_distributed(vllm_config) -> None:
     from vllm.distributed.parallel_state import get_ep_group, model_parallel_is_initialized
 
     with set_current_vllm_config(vllm_config):
+        # vLLM's own call is idempotent: it starts torch.distributed only if nothing has,
+        # and makes its world group if another user of torch.distributed left none
+        port = 0
         if not dist.is_initialized():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                         backend="gloo")
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend="gloo")
         if model_parallel_is_initialized() and vllm_config.model_config.is_moe:
             try:
                 get_ep_group()
