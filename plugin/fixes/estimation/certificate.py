@@ -104,20 +104,23 @@ def gate_counter(scheduler):
     managers = tuple(coordinator.single_type_managers)
     interval = getattr(coordinator, "retention_interval", 0)
     cross = {i for i, m in enumerate(managers) if type(m).__name__ == "CrossAttentionManager"}
+    # each manager's parameter names, read once (the signature differs across releases)
+    params = [set(inspect.signature(m.get_num_blocks_to_allocate).parameters)
+              for m in managers]
 
     def count(n: int, prefill_end: int) -> list[int]:
+        args = dict(request_id=SENTINEL, num_tokens=n, new_computed_blocks=[],
+                    total_computed_tokens=0, num_local_computed_tokens=0,
+                    num_tokens_main_model=n, apply_admission_cap=True,
+                    prefill_end=0 if interval else prefill_end)
         out = []
         try:
             for i, m in enumerate(managers):
                 if i in cross:
                     out.append(0)               # no encoder tokens in a generation request
                     continue
-                fn = m.get_num_blocks_to_allocate
-                out.append(int(fn(**_accepted(fn, dict(
-                    request_id=SENTINEL, num_tokens=n, new_computed_blocks=[],
-                    total_computed_tokens=0, num_local_computed_tokens=0,
-                    num_tokens_main_model=n, apply_admission_cap=True,
-                    prefill_end=0 if interval else prefill_end)))))
+                out.append(int(m.get_num_blocks_to_allocate(
+                    **{k: v for k, v in args.items() if k in params[i]})))
         finally:
             for m in managers:
                 getattr(m, "req_to_blocks", {}).pop(SENTINEL, None)
