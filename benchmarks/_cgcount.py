@@ -1,6 +1,8 @@
 """Exact instruction counts of one region of Python code, with valgrind's callgrind.
 
-Shared by ``bench_scheduler.py`` and ``bench_allocator.py`` (``--instructions``).
+Shared by ``bench_scheduler.py``, ``bench_allocator.py`` (``--instructions``) and
+``bench_engine.py``, which also names where a region's instructions go by Python function
+(the marks at the end of this file).
 
 How a count is taken
     The benchmark starts a child process of itself under
@@ -97,11 +99,13 @@ def region(fn, *args):
 
 
 # ------------------------------------------------------------------------ in the parent
-def start(argv: list[str], out_file: str, env: dict | None = None) -> subprocess.Popen:
-    """Start ``python argv...`` under callgrind; profiles go to ``out_file.N``."""
+def start(argv: list[str], out_file: str, env: dict | None = None,
+          options: list[str] = ()) -> subprocess.Popen:
+    """Start ``python argv...`` under callgrind (with extra callgrind ``options``);
+    profiles go to ``out_file.N``."""
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
            f"--toggle-collect={TOGGLE}", f"--dump-after={TOGGLE}", "--dump-instr=no",
-           "--compress-strings=no", "--compress-pos=no",
+           "--compress-strings=no", "--compress-pos=no", *options,
            f"--callgrind-out-file={out_file}", sys.executable, *argv]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONHASHSEED"] = "0"
@@ -201,3 +205,236 @@ def tmpdir() -> str:
 
 def cleanup(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------- where a region's Ir go, by function
+# Callgrind sees C functions only: on CPython 3.11 a Python function is no C function of its
+# own (Python-to-Python calls run inside one ``_PyEval_EvalFrameDefault``). So a child that
+# wants its Python functions named routes each through a C function of its own, built here:
+# ``kvgmark_<i>`` calls its first argument with the rest. :func:`mark_functions` swaps each
+# chosen function's code for a trampoline ``return kvgmark_<i>(original, *a, **k)`` (the
+# function object stays the same, so every reference to it, bound methods and closures
+# included, goes through the mark). Started with :data:`MARK_OPTIONS`, callgrind names each
+# mark's context by its callers, so :func:`marked_costs` finds each call's nearest marked
+# caller and splits a function's inclusive instructions into its own (self) and its marked
+# callees'. A mark costs its caller a C call and the trampoline (~100 instructions): an
+# attribution, not a count of record.
+MARKS = 512
+MARK_OPTIONS = ["--separate-callers40=kvgmark_*"]
+_MARK_C = """#include <Python.h>
+{fns}
+static PyMethodDef methods[] = {{
+{table}
+    {{NULL, NULL, 0, NULL}}
+}};
+static struct PyModuleDef mod = {{PyModuleDef_HEAD_INIT, "kvgmark", NULL, -1, methods}};
+PyMODINIT_FUNC PyInit_kvgmark(void) {{ return PyModule_Create(&mod); }}
+"""
+
+
+def build_marks(directory: str):
+    """The ``kvgmark`` extension (compiled with the system's cc into ``directory``)."""
+    import importlib.util
+    import sysconfig
+
+    fns = "\n".join(
+        f"static PyObject *kvgmark_{i}(PyObject *m, PyObject *const *a, Py_ssize_t n, "
+        f"PyObject *kw) {{ return PyObject_Vectorcall(a[0], a + 1, "
+        f"PyVectorcall_NARGS(n) - 1, kw); }}" for i in range(MARKS))
+    table = "\n".join(f'    {{"m{i}", (PyCFunction)(void (*)(void))kvgmark_{i}, '
+                      f'METH_FASTCALL | METH_KEYWORDS, NULL}},' for i in range(MARKS))
+    src, lib = os.path.join(directory, "kvgmark.c"), os.path.join(directory, "kvgmark.so")
+    with open(src, "w") as fh:
+        fh.write(_MARK_C.format(fns=fns, table=table))
+    # -fno-ipa-icf: identical functions must stay distinct symbols
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-fno-ipa-icf",
+                    "-I", sysconfig.get_paths()["include"], "-o", lib, src], check=True)
+    spec = importlib.util.spec_from_file_location("kvgmark", lib)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def called_functions(run, keep) -> list:
+    """The Python functions whose code object ``keep(code)`` accepts and ``run()`` calls
+    (a profiling pass: run it outside any counted region)."""
+    import gc
+    import types
+
+    codes: set = set()
+
+    def prof(frame, event, arg):
+        if event == "call" and keep(frame.f_code):
+            codes.add(frame.f_code)
+    sys.setprofile(prof)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    flags = 0x20 | 0x80 | 0x200            # generators and coroutines: run outside a call
+    frozen = gc.get_freeze_count()         # vLLM freezes what its start-up built
+    gc.unfreeze()
+    try:
+        return [f for f in gc.get_objects() if isinstance(f, types.FunctionType)
+                and f.__code__ in codes and not f.__code__.co_flags & flags]
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def label_of(fn) -> str:
+    """``file.py:qualname``, with the str and function names a closure holds (which
+    patch a shared wrapper belongs to)."""
+    name = f"{os.path.basename(fn.__code__.co_filename)}:{fn.__qualname__}"
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, str) and len(v) < 40:
+            cells.append(v)
+        elif callable(v) and hasattr(v, "__qualname__") and not isinstance(v, type):
+            cells.append(v.__qualname__)
+    return name + (f"[{', '.join(cells)}]" if cells else "")
+
+
+_used = [0]                # marks handed out in this process
+
+
+def mark_functions(marks, fns: dict) -> dict:
+    """Route each function of ``fns`` {label: function} through its own ``kvgmark_<i>``;
+    returns {"kvgmark_<i>": label}. Functions whose code cannot be swapped are left."""
+    import types
+    import warnings
+
+    names = {}
+    for label, fn in fns.items():
+        i = _used[0]
+        if i >= MARKS:
+            break
+        code = fn.__code__
+        free = code.co_freevars
+        src = "def _outer():\n" + "".join(f"    {v} = None\n" for v in free)
+        src += "    def _t(*a, **k):\n"
+        if free:
+            src += f"        if a is None: ({', '.join(free)},)\n"
+        src += "        return '\\0M'('\\0O', *a, **k)\n    return _t\n"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outer = compile(src, code.co_filename, "exec").co_consts[0]
+        t = next(c for c in outer.co_consts if isinstance(c, types.CodeType))
+        if t.co_freevars != free:
+            continue
+        orig = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        orig.__kwdefaults__ = fn.__kwdefaults__
+        mark = getattr(marks, f"m{i}")
+        consts = tuple(mark if c == "\0M" else orig if c == "\0O" else c for c in t.co_consts)
+        fn.__code__ = t.replace(co_consts=consts, co_name=code.co_name,
+                                co_qualname=code.co_qualname)
+        names[f"kvgmark_{i}"] = label
+        _used[0] += 1
+    return names
+
+
+_MARK_NAME = re.compile(r"^kvgmark_\d+$")
+
+
+def marked_costs(profile: str, names: dict, c_groups: dict | None = None) -> dict:
+    """{label: {"calls", "incl", "self", "out"}} from one profile of a child started with
+    :data:`MARK_OPTIONS`: ``incl`` the instructions of the outermost calls (recursion
+    counted once), ``self`` minus what its marked callees took, ``out`` the marked calls
+    it made (see :func:`overhead`). ``c_groups`` {label:
+    regex}: also the summed self instructions of the C functions each regex matches
+    (``calls`` and ``incl`` 0 there)."""
+    incl: dict = {}       # context name -> inclusive Ir (its cost lines + its calls)
+    own: dict = {}        # function name -> self Ir (cost lines not of a call)
+    calls: dict = {}      # context name -> calls into it
+    fn = None
+    pending = None        # the cfn of a "calls=" line whose cost line follows
+    with open(profile) as fh:
+        for line in fh:
+            if line.startswith("fn="):
+                fn = line[3:].strip()
+                incl.setdefault(fn, 0)
+            elif line.startswith("cfn="):
+                pending = line[4:].strip()
+            elif line.startswith("calls="):
+                calls[pending] = calls.get(pending, 0) + int(line[6:].split()[0])
+                pending = True
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                parts = line.split()
+                if fn is not None and len(parts) >= 2:
+                    incl[fn] += int(parts[1])
+                    if pending is not True:
+                        own[fn] = own.get(fn, 0) + int(parts[1])
+                    pending = None
+    out: dict = {}
+    for ctx, cost in incl.items():
+        chain = [p for p in ctx.split("'") if not p.isdigit()]
+        if not _MARK_NAME.match(chain[0]) or chain[0] not in names:
+            continue
+        me = chain[0]
+        parent = next((p for p in chain[1:] if _MARK_NAME.match(p)), None)
+        row = out.setdefault(names[me], {"calls": 0, "incl": 0, "self": 0, "out": 0})
+        row["calls"] += calls.get(ctx, 0)
+        row["self"] += cost
+        if me not in chain[1:]:
+            row["incl"] += cost                      # outermost: no recursion above it
+        if parent in names:
+            prow = out.setdefault(names[parent], {"calls": 0, "incl": 0, "self": 0, "out": 0})
+            prow["self"] -= cost
+            prow["out"] += calls.get(ctx, 0)         # marked calls it made
+    for label, rx in (c_groups or {}).items():
+        pat = re.compile(rx)
+        out[label] = {"calls": 0, "incl": 0, "out": 0,
+                      "self": sum(v for k, v in own.items() if pat.search(k.split("'")[0]))}
+    return out
+
+
+def _empty():
+    pass
+
+
+def _loop_marked(n):
+    for _ in range(n):
+        _empty()
+
+
+def _loop_plain(n):
+    for _ in range(n):
+        _plain()
+
+
+def _plain():
+    pass
+
+
+def overhead_region(marks, n: int = 2000):
+    """A region that calibrates the marks: ``(run, names)``; run it as its own region and
+    pass its profile to :func:`overhead`."""
+    names = mark_functions(marks, {"_empty": _empty, "_loop_marked": _loop_marked,
+                                   "_loop_plain": _loop_plain})
+
+    def run():
+        _loop_marked(n)
+        _loop_plain(n)
+    return run, names
+
+
+def overhead(profile: str, names: dict) -> tuple[float, float]:
+    """(inside, outside): what one marked call adds inside its mark (the callee's self)
+    and around it (its caller's self), from :func:`overhead_region`'s profile."""
+    c = marked_costs(profile, names)
+    n = c["_empty"]["calls"]
+    total = (c["_loop_marked"]["incl"] - c["_loop_plain"]["incl"]) / n
+    inside = c["_empty"]["self"] / n
+    return inside, total - inside
+
+
+def corrected(costs: dict, inside: float, outside: float) -> dict:
+    """``self`` less the marks' own cost: ``inside`` per call, ``outside`` per marked call
+    made."""
+    return {k: dict(v, self=v["self"] - v["calls"] * inside - v["out"] * outside)
+            for k, v in costs.items()}

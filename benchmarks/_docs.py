@@ -17,13 +17,21 @@ import re
 
 def record(bench: str, vllm: str, layouts, ratios: dict, target: float,
            per_layout: dict | None = None, command: str = "",
-           date: str | None = None) -> dict:
-    """The headline of one run: ``ratios`` {label: on/off}, the worst decides the verdict."""
+           date: str | None = None, facts: dict | None = None, extra: str = "") -> dict:
+    """The headline of one run: ``ratios`` {label: on/off}, the worst decides the verdict.
+    Optional: ``facts`` {label: {"steps", "preemptions", "per_step"}} (what each label's
+    region did, rendered after the ratios) and ``extra``, Markdown rendered below the
+    paragraph (a table)."""
     worst = max(ratios.values())
-    return dict(bench=bench, vllm=vllm, date=date or datetime.date.today().isoformat(),
-                layouts=list(layouts), ratios=dict(ratios), per_layout=per_layout or {},
-                target=target, verdict="PASS" if worst <= target else "MISS",
-                command=command)
+    rec = dict(bench=bench, vllm=vllm, date=date or datetime.date.today().isoformat(),
+               layouts=list(layouts), ratios=dict(ratios), per_layout=per_layout or {},
+               target=target, verdict="PASS" if worst <= target else "MISS",
+               command=command)
+    if facts:
+        rec["facts"] = facts
+    if extra:
+        rec["extra"] = extra
+    return rec
 
 
 def save_json(path: str, rec: dict) -> None:
@@ -37,7 +45,8 @@ def load_json(path: str) -> dict:
         return json.load(fh)
 
 
-TITLES = {"scheduler": "Scheduler step", "allocator": "Allocator replay"}
+TITLES = {"scheduler": "Scheduler step", "allocator": "Allocator replay",
+          "engine": "Whole engine (in-process LLM.generate)"}
 
 
 def render(rec: dict) -> str:
@@ -53,8 +62,15 @@ def render(rec: dict) -> str:
             f"**{rec['verdict']}**.")
     if per and n > 1:
         line += f" Per layout: {per}."
+    facts = rec.get("facts") or {}
+    if facts:
+        line += " Region: " + "; ".join(
+            f"{k}: {f['steps']} engine steps, {f['preemptions']} preemptions, "
+            f"{f['per_step']:+,.0f} instructions per step on-off" for k, f in facts.items()) + "."
     if rec.get("command"):
         line += f" `{rec['command']}`"
+    if rec.get("extra"):
+        line += "\n\n" + rec["extra"].strip("\n")
     return line
 
 
@@ -92,3 +108,31 @@ def write_docs(path: str, rec: dict) -> None:
     with open(path, "w") as fh:
         fh.write(write_block(text, rec))
     print(f"wrote {rec['bench']}:{rec['vllm']} into {path}")
+
+
+def add_arguments(ap, bench: str) -> None:
+    """A benchmark's ``--json``, ``--write-docs`` and ``--from-json`` options."""
+    ap.add_argument("--json", help="save the headline to this file")
+    ap.add_argument("--write-docs", metavar="PAGE",
+                    help=f"write the headline into PAGE's bench:{bench}:<vLLM> block")
+    ap.add_argument("--from-json", metavar="RUN",
+                    help="with --write-docs: take the figures from a saved --json run")
+
+
+def write_saved(ap, args) -> bool:
+    """``--write-docs PAGE --from-json RUN``: write the saved run's block; True if done
+    (nothing is measured then)."""
+    if not args.from_json:
+        return False
+    if not args.write_docs:
+        ap.error("--from-json needs --write-docs")
+    write_docs(args.write_docs, load_json(args.from_json))
+    return True
+
+
+def save(args, rec: dict) -> None:
+    """Save and write ``rec`` as ``--json`` and ``--write-docs`` ask."""
+    if args.json:
+        save_json(args.json, rec)
+    if args.write_docs:
+        write_docs(args.write_docs, rec)

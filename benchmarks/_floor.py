@@ -3,9 +3,11 @@
 The plugin as installed, with its ``allocate_slots`` transaction cut to a pass-through of
 vLLM's own signature: one Python frame per call, nothing recorded; the pool seams, the
 other patches and the fast-path dispatch stay (the seams still log, and with no
-transaction to empty it the log grows for the benchmark's few steps). What "on" costs above this floor is the
-transaction's record, journal reset and ``try``; what the floor costs over "off", no
-per-call Python wrapper of ``allocate_slots`` can avoid.
+transaction to empty it the log grows for the benchmark's few steps). What "on" costs
+above this floor is the transaction's bound check (a call with room records nothing),
+journal reset and ``try``; what the floor costs over "off", no per-call Python wrapper of
+``allocate_slots`` can avoid. :func:`recorded` is the other side: the transaction with its
+fast path off, the record every call paid before it.
 """
 from __future__ import annotations
 
@@ -33,3 +35,16 @@ def pass_through(manager, fn):
     finally:
         rollback.TRANSACTION = saved
         rollback._compiled.cache_clear()
+
+
+def recorded(manager, fn):
+    """``fn`` wrapped in the installed transaction with its fast path off (every call
+    records, as with the fault injector on)."""
+    from vllm_kvguard.patches import allocator
+
+    fix = allocator._State.fix
+    saved, fix.fast = fix.fast, False
+    try:
+        return fix.transaction(manager, fn)
+    finally:
+        fix.fast = saved

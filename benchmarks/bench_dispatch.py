@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from vllm_kvguard.hostcall import hooked
     from vllm_kvguard.patches import cudagraph
     from vllm_kvguard.registry import KvguardWrapper
-    from vllm_kvguard.tools import plan
+    from vllm_kvguard.tools.plan import cudagraph as plan
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     accounting = cudagraph.install_fixes()["fallbacks"].accounting

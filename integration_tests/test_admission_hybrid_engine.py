@@ -107,7 +107,7 @@ def child(spec: dict) -> dict:
 
     from vllm_kvguard.fixes.estimation import certificate
     from vllm_kvguard.tools.tiny_models import engine_kwargs, write_model
-    from vllm_kvguard.tools.workload import _scheduler
+    from vllm_kvguard.tools.ab.workload import _scheduler
 
     out: dict = {"spec": spec, "ok": False}
     model_dir = write_model(spec["model"])
@@ -164,7 +164,7 @@ def run_child(spec: dict, env: dict[str, str]) -> dict:
     """This file as a child (a fresh interpreter, in-process engine, its own process
     group), killed with its group after :data:`CHILD_TIMEOUT_S` (then ``hung``). The
     result line, plus the plugin's startup limits line(s) from its log."""
-    from vllm_kvguard.tools.harness import child_env, kill_group
+    from vllm_kvguard.tools.ab.harness import child_env, kill_group
 
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

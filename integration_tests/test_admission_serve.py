@@ -23,7 +23,7 @@ import pytest
 from vllm_kvguard.testing.serve_fixtures import complete_once
 from vllm_kvguard.tools.serve import Server, complete_all
 from vllm_kvguard.tools.tiny_models import write_model
-from vllm_kvguard.tools.workload import make_prompts
+from vllm_kvguard.tools.ab.workload import make_prompts
 from vllm_kvguard.versions import vllm_version
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.smoke]

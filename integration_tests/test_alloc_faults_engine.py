@@ -3,7 +3,7 @@ test-only injector): vLLM alone dies; with the allocator fix every request compl
 greedy outputs are token-identical to a fault-free run and the audit stays clean."""
 import pytest
 
-from vllm_kvguard.tools.harness import fault_runs, run_in_subprocess
+from vllm_kvguard.tools.ab.harness import fault_runs, run_in_subprocess
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 2}

@@ -7,7 +7,7 @@ worker reports failed is recomputed by vLLM's own ``kv_load_failure_policy="reco
 token-identically."""
 import pytest
 
-from vllm_kvguard.tools.harness import fault_runs, run_in_subprocess
+from vllm_kvguard.tools.ab.harness import fault_runs, run_in_subprocess
 
 SPEC = {"model": "llama", "connector": "ExampleConnector", "num_requests": 8,
         "max_tokens": 16, "rounds": 2,

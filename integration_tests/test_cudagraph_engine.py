@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.ab.harness import run_in_subprocess
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
           "prompt_lookup_min": 2}

@@ -23,7 +23,7 @@ from vllm_kvguard import remote
 from vllm_kvguard.fixes.health import verdict
 from vllm_kvguard.tools.serve import Server, _get, complete_all
 from vllm_kvguard.tools.tiny_models import write_model
-from vllm_kvguard.tools.workload import make_prompts
+from vllm_kvguard.tools.ab.workload import make_prompts
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

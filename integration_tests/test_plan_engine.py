@@ -26,7 +26,7 @@ ENGINE = r'''
 import json, sys
 from vllm import LLM
 from vllm_kvguard.tools.tiny_models import engine_kwargs
-from vllm_kvguard.tools.workload import pad_cpu_conv_weights
+from vllm_kvguard.tools.ab.workload import pad_cpu_conv_weights
 
 pad_cpu_conv_weights()
 model, mml, seqs, pool, budget = sys.argv[1], *map(int, sys.argv[2:6])

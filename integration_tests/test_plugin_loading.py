@@ -11,7 +11,7 @@ import pytest
 
 from vllm_kvguard.flags import read_flags
 from vllm_kvguard.patches import select_patches
-from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.ab.harness import run_in_subprocess
 from vllm_kvguard.tools.serve import REPORT_RE
 
 PROBE = Path(__file__).parent / "scripts" / "plugin_probe.py"

@@ -16,7 +16,7 @@ pool of 8 (free == prediction) fails vLLM's startup check for ``max_model_len=32
 """
 import pytest
 
-from vllm_kvguard.tools.harness import run_in_subprocess
+from vllm_kvguard.tools.ab.harness import run_in_subprocess
 from vllm_kvguard.tools.truth_table import record_defect
 
 HIT = 256

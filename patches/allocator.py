@@ -10,7 +10,9 @@ Run-time changes
     ``kvguard_allocate_slots`` implementation, each manager's first call installs its
     transaction as an instance attribute, so later calls skip wrapt, ``HostCall`` and
     pluggy (``allocate_slots`` runs once per scheduled request per step). Any other
-    registration, a trip, or revert removes them all.
+    registration, a trip, or revert removes them all. A call whose pool holds more free
+    blocks than it can take runs unrecorded (the transaction's fast path), except while
+    the fault injector is on (``KVGUARD_FAULTS``).
     ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.transaction.journal`): its
     free queue's ``popleft_n`` (the blocks ``get_new_blocks`` takes), ``touch`` and
     ``_insert_block_hash``. The same seams on every release; ``metrics_collector`` is
@@ -82,6 +84,15 @@ def _ours(manager) -> bool:
     return False
 
 
+def fast_bound(manager, tokens: int) -> int | None:
+    """The most blocks an ``allocate_slots`` call of ``tokens`` (new + prefix-hit + external
+    + lookahead tokens) can take on ``manager``: with at least that many free it runs
+    unrecorded (None: every call records). Self-tests that need the record leave less."""
+    fix = _State.fix
+    plan = fix.plan_for(manager) if fix is not None and fix.fast else None
+    return plan.bound(tokens) if plan is not None else None
+
+
 @hooked(NAME)
 def allocate_slots(call: HostCall):
     manager = call.instance
@@ -108,7 +119,9 @@ def _setup(flags):
     from vllm_kvguard.fixes.estimation import liveness
     from vllm_kvguard.fixes.transaction import rollback
 
-    _State.fix = rollback.Rollback(POOL_SEAMS, notify=_notify, on_disable=_recheck)
+    # the fault injector's faults need every call recorded: no fast path while it is on
+    _State.fix = rollback.Rollback(POOL_SEAMS, notify=_notify, on_disable=_recheck,
+                                   fast=flags is None or flags.faults is None)
     plugins.register(_State.fix, "kvguard.rollback")
     plugins.register(liveness.Liveness(flags.liveness_steps if flags else 64),
                      "kvguard.liveness")

@@ -4,6 +4,10 @@ Targets
     ``KVConnectorFactory.create_connector`` -> for a scheduler-role connector, hook
         ``kvguard_guard_connector_call`` per method -> :mod:`vllm_kvguard.fixes.containment.containment`
     ``Scheduler._build_kv_connector_meta`` -> hook ``kvguard_connector_meta_built``
+    ``EngineCore._initialize_kv_caches`` -> outside the proven range only, the patch's
+        self-test (:func:`vllm_kvguard.verify.due`) on the engine's own config, before
+        EngineCore builds its Scheduler (the first scheduler-role connector is the fallback
+        point for a Scheduler built without an EngineCore); nothing inside the range
 Run-time changes
     ``KVConnectorBase_V1`` methods per scheduler-side connector (``get_num_new_matched_tokens``,
     ``update_state_after_alloc``, ``request_finished``, ``request_finished_all_groups``,
@@ -21,6 +25,7 @@ Remove when
 from __future__ import annotations
 
 from vllm_kvguard import manager as plugins
+from vllm_kvguard import verify
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.registry import InstanceAttr, Patch, Target
 from vllm_kvguard.versions import vllm_version
@@ -42,8 +47,11 @@ def _is_scheduler_role(role) -> bool:
 
 @hooked(NAME)
 def create_connector(call: HostCall):
+    scheduler_role = _is_scheduler_role(call.arg(1, "role"))
+    if scheduler_role and not verify.due(NAME, vllm_config=call.arg(0, "config")):
+        return call()                   # its self-test failed here: reverted, vLLM as is
     connector = call()
-    if _is_scheduler_role(call.arg(1, "role")):
+    if scheduler_role:
         version = vllm_version()
         for method, change in GUARDS.items():
             fn = getattr(connector, method, None)
@@ -64,6 +72,13 @@ def build_kv_connector_meta(call: HostCall):
     return meta
 
 
+@hooked(NAME)
+def initialize_kv_caches(call: HostCall):
+    kv_cache_config = call()
+    verify.due(NAME, vllm_config=call.arg(0, "vllm_config"))
+    return kv_cache_config
+
+
 def _setup(flags):
     from vllm_kvguard.fixes.containment.containment import Containment
 
@@ -82,6 +97,8 @@ PATCH = Patch(
                "KVConnectorFactory.create_connector", create_connector),
         Target("vllm.v1.core.sched.scheduler", "Scheduler._build_kv_connector_meta",
                build_kv_connector_meta),
+        Target("vllm.v1.engine.core", "EngineCore._initialize_kv_caches",
+               initialize_kv_caches),
     ],
     changes=tuple(GUARDS.values()),
     vllm_versions=">=0.27.1,<0.35",

@@ -22,6 +22,11 @@ Targets (V2 ones are optional: skipped with a log line where absent)
         -> a rank forced eager by the DP agreement is counted (``dp_sync_forced``)
     ``vllm.v1.core.block_pool.BlockPool.__init__``
         -> ``kvguard_block_pool_ready``: block 0 is the reserved null block, never free
+        (a read-only check: outside the proven range it runs under the drift guard alone)
+Self-test (outside the proven range)
+    :func:`vllm_kvguard.verify.due` as the runner's ``initialize_kv_cache`` (or
+    ``capture_model``) starts, before any fix: :mod:`vllm_kvguard.verify.cudagraph` on the
+    runner's own config and graph owner class, in the model runner's process
     ``vllm.v1.worker.gpu_worker.Worker.sleep`` / ``.wake_up``
         -> ``kvguard_cudagraph_reinit``: suspend / resume (or release) the armed accounting
 Fixes
@@ -33,7 +38,7 @@ Run-time changes (``PATCH.changes``; the fixes install them only through these)
     :data:`DISPATCH` (V1 per-instance ``dispatch`` closure), :data:`DESCRIPTOR` (the V2
     miss-path descriptor stand-in), :data:`GATES` (V2 candidate-list gates),
     :data:`CAPTURE_LOCK` (V2 capture lock), and for the offline planner
-    (:mod:`vllm_kvguard.tools.plan`) :data:`PLATFORM` / :data:`PLATFORM_BINDINGS` (a CPU
+    (:mod:`vllm_kvguard.tools.plan.cudagraph`) :data:`PLATFORM` / :data:`PLATFORM_BINDINGS` (a CPU
     platform where vLLM detects none) and :data:`PLAN_RUNNER` (its stand-in V1 runner).
     Nothing is wrapped at class level on the dispatch path.
 Why
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_kvguard import verify
 from vllm_kvguard.flags import Flags
 from vllm_kvguard.hostcall import HostCall, hooked
 from vllm_kvguard.log import once
@@ -172,7 +178,7 @@ USES = (
     # the planner's block size, as vLLM's platform picks it on a CUDA GPU
     Private("vllm.platforms.interface", "Platform", ("_preferred_block_size_for_backends",),
             versions=">=0.32"),
-    # the planner's KV specs from vLLM's own model classes (tools/layer_specs.py): the
+    # the planner's KV specs from vLLM's own model classes (tools/plan/layer_specs.py): the
     # model class imported before the CUDA platform stands in, the backend choice cache
     Private("vllm.model_executor.models.registry", "_ModelRegistry", ("_try_load_model_cls",),
             versions=">=0.32"),
@@ -185,6 +191,8 @@ USES = (
 @hooked(NAME)
 def initialize_kv_cache(call: HostCall):
     runner = call.instance
+    if not verify.due(NAME, runner=runner):
+        return call()                   # its self-test failed here: reverted, vLLM as is
     kv_cache_config = call.arg(0, "kv_cache_config")
     is_profiling = bool(call.arg(1, "is_profiling", False))
     hook().kvguard_cudagraph_before_kv_init(runner=runner, kv_cache_config=kv_cache_config,
@@ -197,6 +205,8 @@ def initialize_kv_cache(call: HostCall):
 
 @hooked(NAME)
 def capture_model(call: HostCall):
+    if not verify.due(NAME, runner=call.instance):
+        return call()
     profile_only = bool(call.kwargs.get("profile_only", False))
     hook().kvguard_cudagraph_before_capture(runner=call.instance, profile_only=profile_only)
     result = call()

@@ -100,7 +100,10 @@ def _apply_one(patch, version, fl: Flags) -> str:
             if not verdict.ok:
                 logger.info("vllm-kvguard: patch %r skipped: %s", patch.name, verdict.reason)
                 return f"skipped: {verdict.reason}"
-            return "applied (verified)" + (f" [{'; '.join(box[0])}]" if box and box[0] else "")
+            if verdict.pending:
+                verify.on_verdict(_settled)
+            return (PENDING if verdict.pending else "applied (verified)") + \
+                (f" [{'; '.join(box[0])}]" if box and box[0] else "")
     except LookupError as exc:
         logger.warning("vllm-kvguard: patch %r skipped: %s", patch.name, exc)
         return f"skipped: {exc}"
@@ -111,6 +114,25 @@ def _apply_one(patch, version, fl: Flags) -> str:
         return f"skipped: internal error {type(exc).__name__}"
     forced = "" if patch.supports(version) else " (forced outside its range)"
     return "applied" + forced + (f" [{'; '.join(notes)}]" if notes else "")
+
+
+#: a patch applied with its self-test still to run where its target runs (verify.WHERE)
+PENDING = "applied (self-test where it runs)"
+
+
+def _settled(name: str, reason: str) -> None:
+    """A deferred self-test ended in this process: its result, one line."""
+    from vllm_kvguard import verify
+
+    res = _state["results"]
+    if res is not None and name in res:
+        res[name] = f"skipped: {reason}" if reason else "applied (verified)"
+    where = process.role()
+    if reason:
+        logger.warning("vllm-kvguard: patch %r off in %s: %s", name, where, reason)
+    else:
+        logger.info("vllm-kvguard: %s self-test passed in %s (%.2f s)", name, where,
+                    verify.seconds().get(name, 0.0))
 
 
 def wrapped_targets() -> list[str]:
@@ -159,14 +181,17 @@ def startup_line(version, res: dict[str, str]) -> str:
     off = [(n, _short(r)) for n, r in res.items() if not r.startswith("applied")
            and n != ALWAYS_ON]
     off += [(n, "not chosen") for n in PATCH_NAMES if n not in res]
-    verified = any("verified" in r for r in res.values())
+    verified = any("verified" in res[n] for n in applied)
     proc = multiprocessing.current_process().name
     head = (f"vllm-kvguard {__version__} {'active' if fixes else 'inactive'} in {proc} "
             f"({process.describe()}), vLLM {version}: ")
-    on = ", ".join(n + ("*" if "verified" in res[n] else "") for n in applied) or "no fix"
+    pending = any(r.startswith(PENDING) for r in res.values())
+    on = ", ".join(n + ("*" if "verified" in res[n] else "+" if res[n].startswith(PENDING)
+                        else "") for n in applied) or "no fix"
     always = res.get(ALWAYS_ON, "")
     tail = (f"; {ALWAYS_ON} always on" if always.startswith("applied") else "") + \
-        ("; *verified here" if verified else "")
+        ("; *verified here" if verified else "") + \
+        ("; +self-test where it runs" if pending else "")
     by_why: dict[str, list[str]] = {}
     for n, why in off:
         by_why.setdefault(why, []).append(n)
@@ -186,14 +211,18 @@ def _warn_outside_range(version, res: dict[str, str], chosen) -> None:
         return
     from vllm_kvguard.verify import proven_range
 
-    ok = [p.name for p in outside if res.get(p.name, "").startswith("applied")]
+    ok = [p.name for p in outside if res.get(p.name, "").startswith("applied")
+          and not res[p.name].startswith(PENDING)]
+    later = [p.name for p in outside if res.get(p.name, "").startswith(PENDING)]
     bad = [f"{p.name} ({res[p.name][len('skipped: '):]})" for p in outside
            if not res.get(p.name, "").startswith("applied")]
     logger.warning(
         "vllm-kvguard: vLLM %s is outside the proven range %s; verified on it and applied: "
-        "%s; not applied: %s. Run `kvguard doctor` for details; upgrade vllm-kvguard or "
+        "%s;%s not applied: %s. Run `kvguard doctor` for details; upgrade vllm-kvguard or "
         "pin vLLM to a proven release to be covered (KVGUARD_FORCE=1 applies unchecked).",
-        version, proven_range(), ", ".join(ok) or "none", "; ".join(bad) or "none")
+        version, proven_range(), ", ".join(ok) or "none",
+        f" self-test where its target runs: {', '.join(later)};" if later else "",
+        "; ".join(bad) or "none")
 
 
 def declared_changes() -> str:

@@ -10,6 +10,7 @@ Builds (or reuses) the default pin's cached venv (``scripts/venvs.py``), adds th
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,8 +37,23 @@ def ensure_chart(python: Path) -> None:
               file=sys.stderr, flush=True)
 
 
+def serves_this_checkout(pin) -> bool:
+    """Whether the pin's venv is built and its editable install is this checkout."""
+    marker = venvs.venv_dir(pin) / venvs.REPO_MARKER
+    try:
+        return venvs.is_ready(pin) and json.loads(marker.read_text())["repo"] == str(venvs.REPO)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def main(argv: list[str]) -> int:
     pin = next(p for p in venvs.read_pins() if p.default)
+    if {"-h", "--help"} & set(argv) and not serves_this_checkout(pin):
+        # help never builds a venv, nor points a shared one at this checkout
+        print(__doc__)
+        print("kvguard-ab's own options: run `python3 scripts/ab.py --help` once the "
+              f"vLLM {pin.name} venv serves this checkout (any run without --help builds it).")
+        return 0
     print(f"[kvguard] preparing the vLLM {pin.name} environment (first run: a few minutes)",
           file=sys.stderr, flush=True)
     venvs.ensure(pin)

@@ -120,6 +120,7 @@ def run_pin(pin: pinned.Pin, out: Path, args, venv_future=None) -> dict:
           f"(waited {_fmt(waited)}): {info['path']}", flush=True)
     env = {**os.environ,
            "KVGUARD_PIN": pin.name,
+           "KVGUARD_CASES": pin.cases,          # testing/cases.py: all, or the core set
            "KVGUARD_FACTS_FILE": str(d / "facts.jsonl"),
            "VLLM_CACHE_ROOT": str(d / "vllm-cache")}   # no cache shared across vLLM versions
     for var in ("KVGUARD", "KVGUARD_PATCHES", "KVGUARD_FORCE", "KVGUARD_FAULTS"):

@@ -6,7 +6,7 @@
 
 Writes ``docs/ab-sample.md``: between the ``ab-figures`` markers, one line naming the
 command, vLLM and torch versions, machine, date and duration; the run's own table
-(:func:`vllm_kvguard.tools.abreport.format_table`); and its chart ``docs/kvguard-ab.png``
+(:func:`vllm_kvguard.tools.ab.report.format_table`); and its chart ``docs/kvguard-ab.png``
 when matplotlib is installed. ``--readme PATH`` also replaces the same marked block in
 that file (the chart linked as ``docs/kvguard-ab.png``). Arguments after ``--`` go to
 ``scripts/ab.py``. Runs in the default pin's venv when started by another Python.
@@ -46,8 +46,8 @@ def shown_command(command: str) -> str:
 
 def render(report: dict, png: str | None) -> str:
     """The README block for ``report`` (a kvguard-ab JSON report)."""
-    from vllm_kvguard.tools.abchart import machine
-    from vllm_kvguard.tools.abreport import format_table, pairs
+    from vllm_kvguard.tools.ab.chart import machine
+    from vllm_kvguard.tools.ab.report import format_table, pairs
 
     env, s = report.get("environment") or {}, report.get("settings") or {}
     head = (f"{shown_command(report.get('command', 'kvguard-ab'))} on vLLM "
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 1
     try:
-        from vllm_kvguard.tools import abchart, abreport
+        from vllm_kvguard.tools.ab import chart as abchart, report as abreport
     except ImportError:                      # this Python has no vllm_kvguard: the venv's
         sys.path.insert(0, str(REPO / "scripts"))
         import venvs

@@ -70,6 +70,7 @@ class Pin:
     default: bool = False
     extras: tuple = ()                # test-only packages for this pin (pip requirements)
     conformance: bool = False         # the matrix runs vLLM's own tests/v1/core here too
+    cases: str = "all"                # unit tests' generated cases: all | core
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -99,16 +100,18 @@ def read_pins(path: Path = PINS_FILE) -> list[Pin]:
                   deps=opts.pop("deps", "all"), default=opts.pop("default", "") == "1",
                   extras=tuple(x for x in opts.pop("extras", "").split(",") if x),
                   conformance=conformance in ("yes", "1"),
-                  options=opts)
+                  cases=opts.pop("cases", "all"), options=opts)
         if pin.suite not in ("full", "smoke", "none"):
             raise PinError(f"{path.name}:{lineno}: suite={pin.suite!r}; valid: full, smoke, none")
         if pin.deps not in ("all", "pure-python"):
             raise PinError(f"{path.name}:{lineno}: deps={pin.deps!r}; valid: all, pure-python")
+        if pin.cases not in ("all", "core"):
+            raise PinError(f"{path.name}:{lineno}: cases={pin.cases!r}; valid: all, core")
         if conformance not in ("yes", "no", "1"):
             raise PinError(f"{path.name}:{lineno}: conformance={conformance!r}; valid: yes, no")
         if opts:
             raise PinError(f"{path.name}:{lineno}: unknown option(s) {', '.join(opts)}; "
-                           f"valid: suite=, deps=, extras=, conformance=, default")
+                           f"valid: suite=, deps=, extras=, conformance=, cases=, default")
         pins.append(pin)
     names = [p.name for p in pins]
     if len(set(names)) != len(names):

@@ -7,7 +7,7 @@ import pytest
 
 from vllm_kvguard.testing import scripts
 from vllm_kvguard.testing.ab_samples import report, scenario, side
-from vllm_kvguard.tools import abchart, abreport, abstats
+from vllm_kvguard.tools.ab import chart as abchart, report as abreport, stats as abstats
 
 REF = {"outputs": [[5, 6, 7], [8, 9, 10]], "finish_reasons": ["length", "length"]}
 

@@ -7,8 +7,8 @@ import signal
 import pytest
 
 from vllm_kvguard.testing.ab_samples import scenario, side
-from vllm_kvguard.tools import ab, abchart, abmicro, abrun
-from vllm_kvguard.tools.abscenarios import (MIN_AUTO_ROUNDS, SCENARIOS, scenario_envs,
+from vllm_kvguard.tools.ab import cli as ab, chart as abchart, micro as abmicro, run as abrun
+from vllm_kvguard.tools.ab.scenarios import (MIN_AUTO_ROUNDS, SCENARIOS, scenario_envs,
                                             scenario_spec, workload_key)
 
 

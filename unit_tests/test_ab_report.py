@@ -2,7 +2,7 @@
 import json
 
 from vllm_kvguard.testing.ab_samples import report, scenario, side
-from vllm_kvguard.tools import abreport
+from vllm_kvguard.tools.ab import report as abreport
 
 
 def _rows(text):

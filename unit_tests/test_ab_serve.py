@@ -5,8 +5,9 @@ import math
 import pytest
 
 from vllm_kvguard.testing.ab_samples import report, scenario
-from vllm_kvguard.tools import ab, abreport, abrun, abserve, abstats
-from vllm_kvguard.tools.abscenarios import SCENARIOS, SERVED, scenario_spec
+from vllm_kvguard.tools.ab import cli as ab, report as abreport, run as abrun
+from vllm_kvguard.tools.ab import serve as abserve, stats as abstats
+from vllm_kvguard.tools.ab.scenarios import SCENARIOS, SERVED, scenario_spec
 from vllm_kvguard.tools.serve import Batch
 
 

@@ -1,9 +1,9 @@
-"""kvguard-ab statistics, parity and checks (vllm_kvguard.tools.abstats)."""
+"""kvguard-ab statistics, parity and checks (vllm_kvguard.tools.ab.stats)."""
 import pytest
 
 from vllm_kvguard.testing.ab_samples import OUT, side
-from vllm_kvguard.tools import abstats
-from vllm_kvguard.tools.abstats import FAIL, NA, PASS
+from vllm_kvguard.tools.ab import stats as abstats
+from vllm_kvguard.tools.ab.stats import FAIL, NA, PASS
 
 
 def test_summarize_median_range_and_spread():

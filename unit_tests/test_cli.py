@@ -37,7 +37,7 @@ SCRIPTS = declared_scripts()
 
 def test_kvguard_and_the_ab_alias_are_declared():
     assert SCRIPTS["kvguard"] == "vllm_kvguard.tools.cli:main"
-    assert SCRIPTS["kvguard-ab"] == "vllm_kvguard.tools.ab:main"
+    assert SCRIPTS["kvguard-ab"] == "vllm_kvguard.tools.ab.cli:main"
 
 
 def _run_help(name: str, target: str, *extra: str) -> subprocess.CompletedProcess:
@@ -107,7 +107,7 @@ def test_subcommands_delegate_their_arguments(monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda target: lambda argv: seen.append((target, argv)))
     cli.main(["ab", "--scenarios", "x"])
     cli.main(["table", "probe"])
-    assert seen == [("vllm_kvguard.tools.ab:main", ["--scenarios", "x"]),
+    assert seen == [("vllm_kvguard.tools.ab.cli:main", ["--scenarios", "x"]),
                     ("vllm_kvguard.tools.truth_table:main", ["probe"])]
 
 

@@ -19,7 +19,7 @@ from vllm_kvguard import activation, report  # noqa: E402
 from vllm_kvguard.fixes.cudagraph import graph_owners  # noqa: E402
 from vllm_kvguard.fixes.cudagraph.fallbacks import CATEGORY  # noqa: E402
 from vllm_kvguard.patches import BY_NAME, cudagraph, distributed  # noqa: E402
-from vllm_kvguard.tools import plan as planning  # noqa: E402
+from vllm_kvguard.tools.plan import cudagraph as planning  # noqa: E402
 from vllm_kvguard.versions import vllm_version  # noqa: E402
 
 from vllm_kvguard.testing.cg_fixtures import requires_v1, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm_kvguard import report  # noqa: E402
 from vllm_kvguard.fixes.cudagraph import fallbacks, graph_owners  # noqa: E402
 from vllm_kvguard.patches import cudagraph  # noqa: E402
-from vllm_kvguard.tools import plan as planning  # noqa: E402
+from vllm_kvguard.tools.plan import cudagraph as planning  # noqa: E402
 
 from vllm_kvguard.testing.cg_fixtures import NGRAM3, RUNNERS, requires_v1, real_v2_manager, vllm_logging_configured, plan  # noqa: E402,F401  (fixture: autouse)
 

@@ -183,7 +183,7 @@ def test_vllm_prometheus_logger_has_no_cudagraph_mode_counter():
     pytest.importorskip("vllm")
     from vllm.v1.metrics import loggers
 
-    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools.plan.cudagraph import plan_config
 
     vc = plan_config(cudagraph_mode="FULL_DECODE_ONLY", max_num_seqs=8)
     vc.observability_config.cudagraph_metrics = True

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from vllm_kvguard import activation  # noqa: E402
 from vllm_kvguard.fixes.cudagraph import coverage  # noqa: E402
 from vllm_kvguard.patches import cudagraph, distributed  # noqa: E402
-from vllm_kvguard.tools.plan import has_v1_runner, plan_config, plan_owner  # noqa: E402
+from vllm_kvguard.tools.plan.cudagraph import has_v1_runner, plan_config, plan_owner  # noqa: E402
 from vllm_kvguard.versions import vllm_version  # noqa: E402
 from vllm_kvguard.registry import resolve  # noqa: E402
 from vllm_kvguard.testing.cg_fixtures import (NGRAM3, requires_v1,  # noqa: E402,F401

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 
 import pytest
 
@@ -18,6 +19,8 @@ from vllm_kvguard.registry import is_wrapped, resolve
 from vllm_kvguard.versions import vllm_version
 
 VERSION = vllm_version()
+#: the release probe (scripts/probe.py) checks names past a patch's declared range too
+PROBE = os.environ.get("KVGUARD_PROBE") == "1"
 CASES = [pytest.param(patch, target, id=target.name)
          for patch in ALL_PATCHES for target in patch.targets if target.required]
 
@@ -41,7 +44,7 @@ def check_drift(patch, target) -> None:
 
 @pytest.mark.parametrize("patch,target", CASES)
 def test_target_resolves(patch, target):
-    if not patch.supports(VERSION):
+    if not patch.supports(VERSION) and not PROBE:
         pytest.skip(f"vLLM {VERSION} outside {patch.name}'s range {patch.vllm_versions}")
     check_drift(patch, target)
 
@@ -50,7 +53,7 @@ def test_target_resolves(patch, target):
 def test_every_declared_name_resolves(patch):
     """Targets, run-time change sites (instance attributes, globals, containers) and the
     private vLLM names each patch and its fixes rely on, on this vLLM."""
-    if not patch.supports(VERSION):
+    if not patch.supports(VERSION) and not PROBE:
         pytest.skip(f"vLLM {VERSION} outside {patch.name}'s range {patch.vllm_versions}")
     missing = patch.drift(VERSION)
     assert not missing, (f"vllm-kvguard drift: patch {patch.name!r} relies on names vLLM "

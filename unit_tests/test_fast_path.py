@@ -223,3 +223,84 @@ def test_the_transaction_keeps_no_references():
     assert state_diff(state_before, state(m)) == []
     assert report.snapshot()["rollback"] == {"InjectedFault": 101}
     assert len(allocator._State.fix.plan_for(m).journal.log) < 8   # the last call's only
+
+
+# ------------------------------------------------------------------------- with room: no record
+def activate_alone() -> None:
+    """The allocator fix without the fault injector: calls with room run unrecorded."""
+    activation.deactivate()
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+
+
+def test_the_fault_injector_turns_the_fast_path_off():
+    activate()
+    assert not allocator._State.fix.fast            # KVGUARD_FAULTS: every call records
+    activate_alone()
+    m, req = running_manager()
+    plan = allocator._State.fix.plan_for(m)
+    assert allocator._State.fix.fast and plan.fast is not None
+    assert plan.bound(3) < m.block_pool.get_num_free_blocks()     # this call has room
+
+
+def test_a_fault_on_the_fast_path_ends_only_its_request(mocker):
+    """A phase raising on a call with room (nothing recorded): the call is "no room now",
+    the request finishes with an error after that step, the others are served to their
+    length, nothing leaks, the audit is clean; counted, never a rollback."""
+    from vllm_kvguard.fixes.transaction import audit
+    from vllm_kvguard.testing.kv_fixtures import make_scheduler, scheduler_step, used_blocks
+
+    activate_alone()
+    sched = make_scheduler(num_gpu_blocks=64)
+    reqs = {rid: make_request(rid, prompt(i, 40), max_tokens=4)
+            for i, rid in enumerate(("r0", "bad", "r2"))}
+    for req in reqs.values():
+        sched.add_request(req)
+    coord = sched.kv_cache_manager.coordinator
+    original = coord.allocate_new_blocks
+
+    def raise_for_bad(request_id, *args, **kwargs):
+        out = original(request_id, *args, **kwargs)     # the blocks are popped and held
+        if request_id == "bad":
+            raise RuntimeError("injected after allocate_new_blocks")
+        return out
+
+    mocker.patch.object(coord, "allocate_new_blocks", side_effect=raise_for_bad)
+    for _ in range(12):
+        scheduler_step(sched)
+    status = {rid: req.status.name for rid, req in reqs.items()}
+    assert status["bad"] in ("FINISHED_ERROR", "FINISHED_ABORTED"), status  # per vLLM
+    assert status["r0"] == status["r2"] == "FINISHED_LENGTH_CAPPED", status
+    assert len(reqs["r0"].output_token_ids) == len(reqs["r2"].output_token_ids) == 4
+    assert not sched.requests and used_blocks(sched.kv_cache_manager) == 0
+    assert audit.audit_kv_cache_manager(sched.kv_cache_manager, sched) == []
+    snap = report.snapshot()
+    assert snap["fast_path_fault"] == {"RuntimeError": 1} and "rollback" not in snap
+    assert snap["contained"] == {"allocate_slots": 1}
+
+
+def test_out_of_blocks_on_the_fast_path_is_our_bug_and_logged_with_the_bound(kvguard_log):
+    activate_alone()
+    m, _ = running_manager()
+    req = make_request("new", prompt(5, 40))
+    pool = m.block_pool
+
+    def short(n):
+        raise ValueError(f"Cannot get {n} free blocks from the pool")
+
+    pool.get_new_blocks = short                         # this pool only: a wrong bound
+    try:
+        assert m.allocate_slots(req, 40) is None        # contained, not raised
+    finally:
+        del pool.get_new_blocks
+    bound = allocator._State.fix.plan_for(m).bound(40)
+    line, = [ln for ln in kvguard_log.lines() if "BUG" in ln]
+    assert f"bound of {bound} blocks" in line and "request new, 40 tokens" in line
+    assert report.snapshot()["fast_path_fault"] == {"ValueError": 1}
+
+
+def test_vllms_argument_check_still_raises_on_the_fast_path():
+    activate_alone()
+    m, req = running_manager()
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        m.allocate_slots(make_request("zero", prompt(6, 20)), 0)
+    assert "fast_path_fault" not in report.snapshot() and "contained" not in report.snapshot()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_kvguard.tools import preflight
+from vllm_kvguard.tools.plan import preflight
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -37,8 +37,8 @@ def test_plan_matches_the_engine_objects(kind, tmp_path):
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
     from vllm_kvguard.fixes.estimation import capacity
-    from vllm_kvguard.tools import layer_specs
-    from vllm_kvguard.tools.plan import engine_args
+    from vllm_kvguard.tools.plan import layer_specs
+    from vllm_kvguard.tools.plan.cudagraph import engine_args
     from vllm_kvguard.tools.tiny_models import write_model
 
     model = write_model(kind, tmp_path / kind)
@@ -133,8 +133,8 @@ def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
     import dataclasses
 
     from vllm_kvguard.testing.kv_fixtures import kv_cache_config
-    from vllm_kvguard.tools import warmup_check
-    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools.plan import warmup_check
+    from vllm_kvguard.tools.plan.cudagraph import plan_config
     from vllm_kvguard.tools.tiny_models import write_model
 
     model = write_model("llama", tmp_path / "llama")
@@ -147,8 +147,8 @@ def test_plan_names_the_warmup_shapes_a_pool_leaves_unwarmed(tmp_path):
     assert any("batches of 40-64 requests are not warmed" in x for x in r["warmup_lines"])
     assert any(p.startswith("V2 warmup: batches of 40-64") and
                f"--num-gpu-blocks >= {w['blocks_for_all']}" in p for p in r["problems"])
-    from vllm_kvguard.tools import layer_specs
-    from vllm_kvguard.tools.plan import engine_args
+    from vllm_kvguard.tools.plan import layer_specs
+    from vllm_kvguard.tools.plan.cudagraph import engine_args
 
     built = layer_specs.build(engine_args(model, max_num_seqs=64, max_model_len=256))
     vc = plan_config(model, max_num_seqs=64, max_model_len=256)
@@ -185,7 +185,7 @@ def test_plan_sizes_the_gpu_it_names(tmp_path, capsys):
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_kvguard.tools.plan import plan_config
+    from vllm_kvguard.tools.plan.cudagraph import plan_config
     from vllm_kvguard.versions import vllm_version
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))

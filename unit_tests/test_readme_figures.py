@@ -6,7 +6,7 @@ from pathlib import Path
 
 from vllm_kvguard.testing import scripts
 from vllm_kvguard.testing.ab_samples import report, scenario
-from vllm_kvguard.tools import abreport
+from vllm_kvguard.tools.ab import report as abreport
 
 figures = scripts.load("readme_figures")
 REPO = Path(__file__).resolve().parent.parent

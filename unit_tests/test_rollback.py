@@ -27,8 +27,6 @@ from vllm_kvguard.patches import allocator  # noqa: E402
 from vllm_kvguard.patches import faults as fault_patch  # noqa: E402
 
 BS = 16
-
-
 NEVER = FaultSpec(every=1, after=10**12)
 
 
@@ -326,7 +324,6 @@ def test_unknown_manager_type_is_left_alone(kvguard_log):
                for line in kvguard_log.lines())
 
 
-
 def test_the_transaction_takes_and_passes_on_vllm_s_own_parameters():
     """The transaction declares vLLM's allocate_slots parameters (no *args/**kwargs to build
     per call) and passes each one on as given, by position or keyword, defaults included."""
@@ -440,7 +437,8 @@ def test_another_hookimpl_gets_the_hook_path_and_still_rolls_back():
 def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba, alone):
     """A hybrid with few attention layers splits into many KV-cache groups: 1 full
     attention + 23 Mamba groups (and the plain two-group case). The transaction has no
-    group limit; ``alone``: with ``KVGUARD=1`` and nothing else set."""
+    group limit; ``alone``: with ``KVGUARD=1`` alone. The pool is left one block below the
+    fast path's bound: the call records (there is no fault injector here)."""
     specs = [attention_spec()] + [mamba_spec(mode="align") for _ in range(n_mamba)]
     failing = ValueError("Cannot get 1 free blocks from the pool")
     activate(fix=False)
@@ -454,6 +452,8 @@ def test_many_groups_fault_in_the_last_group_is_rolled_back(mocker, n_mamba, alo
                                                        "KVGUARD_PATCHES": "allocator"})
     m = make_manager(specs, num_blocks=256, enable_caching=True)
     assert len(groups(m)) == 1 + n_mamba
+    pool, bound = m.block_pool, allocator.fast_bound(m, 40)
+    pool.get_new_blocks(pool.get_num_free_blocks() - bound + 1)    # below it: the call records
     mocker.patch.object(groups(m)[-1], "allocate_new_blocks", side_effect=failing)
     before = state(m)
     assert admit(m, make_request("r", prompt(1, 40))) is None   # "no room now"

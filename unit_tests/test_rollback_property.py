@@ -81,12 +81,14 @@ def scenarios(draw):
 
 # ------------------------------------------------------------------------- the harness
 class Harness:
-    """Drives one manager like the scheduler does and checks every call."""
+    """Drives one manager like the scheduler does and checks every call (also the fast
+    path's bound test's traffic: ``manager`` given, no faults, no injector needed)."""
 
-    def __init__(self, sc, fixed: bool):
+    def __init__(self, sc, fixed: bool, manager=None):
         self.sc, self.fixed = sc, fixed
-        self.m = hybrid_manager(sc["num_blocks"], enable_caching=sc["caching"],
-                                nsb=sc["nsb"], block_size=sc["bs"], max_model_len=512)
+        self.m = manager or hybrid_manager(sc["num_blocks"], enable_caching=sc["caching"],
+                                           nsb=sc["nsb"], block_size=sc["bs"],
+                                           max_model_len=512)
         self.start_free = self.m.block_pool.get_num_free_blocks()
         self.running: list = []
         self.waiting: list = []
@@ -128,7 +130,8 @@ class Harness:
         finally:
             if armed is not None:
                 armed.stop()
-            fault_patch.injector().reset(NEVER)
+            if fault is not None:
+                fault_patch.injector().reset(NEVER)
         if hit:
             self.fault = None             # one fault per operation
             assert out is None, "a failed allocation must return None"

@@ -11,11 +11,11 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-import vllm.v1.core.kv_cache_manager  # noqa: E402,F401
+import vllm.v1.core.kv_cache_manager  # noqa: E402,F401,F811
 import vllm.v1.core.sched.scheduler  # noqa: E402,F401
 
 from vllm_kvguard import activation, process, report, verify  # noqa: E402
-from vllm_kvguard.patches import BY_NAME  # noqa: E402
+from vllm_kvguard.patches import BY_NAME, allocator  # noqa: E402
 from vllm_kvguard.registry import is_wrapped  # noqa: E402
 from vllm_kvguard.testing import kv_fixtures as kf  # noqa: E402
 from vllm_kvguard.versions import vllm_version  # noqa: E402
@@ -26,11 +26,13 @@ NEXT = "0.35.0"
 @pytest.fixture
 def next_release(monkeypatch):
     """The installed vLLM reports 0.35.0, outside every patch's declared range. Where the
-    installed vLLM is too old to pass for it (names the allocator declares for newer
-    releases are absent, e.g. 0.27.1), the test skips with the first such name."""
+    installed vLLM is too old to pass for it (names the allocator or the always-on
+    distributed patch declare for newer releases are absent, e.g. 0.27.1, 0.31.0), the
+    test skips with the first such name."""
     from packaging.version import Version
 
-    absent = BY_NAME["allocator"].drift(Version(NEXT))
+    absent = (BY_NAME["allocator"].drift(Version(NEXT))
+              + BY_NAME["distributed"].drift(Version(NEXT)))
     if absent:
         pytest.skip(f"vLLM {vllm_version()} cannot pass for {NEXT}: {absent[0]} is absent")
     monkeypatch.setattr(vllm, "__version__", NEXT)
@@ -55,6 +57,8 @@ def test_allocator_verifies_applies_and_rolls_back_a_failing_multi_group_allocat
     m = kf.hybrid_manager(48)
     assert len(kf.groups(m)) >= 2
     req = kf.make_request("r", list(range(3, 51)))
+    pool, bound = m.block_pool, allocator.fast_bound(m, 32)
+    pool.get_new_blocks(pool.get_num_free_blocks() - bound + 1)   # below it: the call records
     before = kf.state(m)
     calls = [0]
     grant = m.block_pool.get_new_blocks
@@ -166,3 +170,103 @@ def test_each_self_test_passes_on_this_vllm(name):
 def test_the_allocator_self_test_fails_without_the_fix():
     """The self-test could fail: without the patch the failing allocation escapes."""
     assert "escaped" in verify.run_check("allocator")
+
+
+# ------------------------------------------------ self-tests that run where their target runs
+def _outside_for(monkeypatch, name: str) -> str:
+    """Make the installed vLLM report a release outside the proven range on which patch
+    ``name``'s names all resolve (newer where it can pass for one, else older: 0.32.0 code
+    lacks names the patches declare for 0.34+); skip if there is none."""
+    from packaging.version import Version
+
+    for version in (NEXT, "0.27.0"):
+        if not verify.preflight(BY_NAME[name], Version(version)):
+            monkeypatch.setattr(vllm, "__version__", version)
+            assert not BY_NAME[name].supports(vllm_version())
+            return version
+    pytest.skip(f"vLLM {vllm_version()} passes for no release outside the range for {name}")
+
+
+def _guarded(connector) -> bool:
+    return "get_num_new_matched_tokens" in vars(connector)
+
+
+def test_containment_self_test_waits_for_the_scheduler_and_runs_on_its_config(
+        monkeypatch, kvguard_log):
+    from vllm_kvguard.testing.connector_fixtures import make_connector_scheduler
+
+    _outside_for(monkeypatch, "containment")
+    res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "containment"})
+    # the front end: applied, its self-test not run here (no scheduler in this process yet)
+    assert res["containment"] == activation.PENDING and verify.pending("containment")
+    assert verify.seconds() == {}
+    line, = [m for m in kvguard_log.lines(logging.INFO) if " active in " in m]
+    assert "on: containment+" in line           # + : its self-test runs where it runs
+    warning, = [w for w in kvguard_log.lines(logging.WARNING) if "proven range" in w]
+    assert "self-test where its target runs: containment;" in warning
+    # the scheduler's process: its Scheduler's connector runs the self-test first, on that
+    # Scheduler's own config, then is guarded
+    sched = make_connector_scheduler(defers=0)
+    assert activation.results()["containment"] == "applied (verified)"
+    assert "containment" in verify.seconds() and not verify.pending("containment")
+    assert _guarded(sched.connector)
+    assert any("containment self-test passed in" in m for m in kvguard_log.lines(logging.INFO))
+    assert report.snapshot() == {}            # the self-test's contained error is not counted
+
+
+def _scheduler_process(queue) -> None:
+    """A forked "scheduler's process": builds its Scheduler (the self-test runs there)."""
+    from vllm_kvguard.testing.connector_fixtures import make_connector_scheduler
+
+    sched = make_connector_scheduler(defers=0)
+    queue.put((activation.results()["containment"], BY_NAME["containment"].applied,
+               _guarded(sched.connector)))
+
+
+def test_a_failing_containment_self_test_reverts_it_in_the_scheduler_process_only(
+        monkeypatch):
+    import multiprocessing
+
+    def fails(vllm_config=None):
+        assert vllm_config is not None        # given the scheduler's own config
+        raise verify.SelfTestFailed("the connector error escaped schedule()")
+
+    _outside_for(monkeypatch, "containment")
+    monkeypatch.setitem(verify.CHECKS, "containment", fails)
+    res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission,containment"})
+    assert res["containment"] == activation.PENDING
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_scheduler_process, args=(queue,))
+    child.start()
+    try:
+        result, applied, guarded = queue.get(timeout=120)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert result == "skipped: self-test failed: the connector error escaped schedule()"
+    assert not applied and not guarded       # reverted there: vLLM's own connector calls
+    # this process (the front end) is untouched: still applied, its self-test still due
+    assert BY_NAME["containment"].applied and verify.pending("containment")
+    assert activation.results()["containment"] == activation.PENDING
+    assert activation.results()["admission"].startswith("applied")
+
+
+def test_a_process_started_during_a_self_test_runs_none_and_leaves_the_patch_off(
+        next_release, monkeypatch):
+    """vLLM's model registry probe (a subprocess a self-test's config can start) loads the
+    plugin: were it to self-test too, each level would start the next."""
+    monkeypatch.setitem(verify.CHECKS, "allocator", lambda: pytest.fail("must not run"))
+    monkeypatch.setenv(verify.ENV_TESTING, "admission")
+    res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
+    assert res["allocator"].startswith("skipped: not verified: started during the admission")
+    assert not BY_NAME["allocator"].applied and verify.seconds() == {}
+
+
+def test_a_self_test_marks_the_processes_it_starts(monkeypatch):
+    seen = []
+    monkeypatch.setitem(verify.CHECKS, "allocator",
+                        lambda: seen.append(os.environ.get(verify.ENV_TESTING)))
+    assert verify.run_check("allocator") == ""
+    assert seen == ["allocator"] and verify.ENV_TESTING not in os.environ

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 cc = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
 
-from vllm_kvguard.tools import workload  # noqa: E402
+from vllm_kvguard.tools.ab import workload  # noqa: E402
 
 
 def test_kernel_gets_the_weight_followed_by_zeros(monkeypatch):

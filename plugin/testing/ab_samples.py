@@ -1,11 +1,11 @@
 """Scenario results as ``kvguard-ab`` builds them, for the writer, stats and CLI tests.
 
-Plain dicts in the shape :mod:`vllm_kvguard.tools.abrun` produces, so the checks, the
+Plain dicts in the shape :mod:`vllm_kvguard.tools.ab.run` produces, so the checks, the
 table, the JSON and the chart are tested without starting an engine.
 """
 from __future__ import annotations
 
-from vllm_kvguard.tools import abstats
+from vllm_kvguard.tools.ab import stats as abstats
 
 OUT = [[5, 6, 7], [8, 9, 10]]
 

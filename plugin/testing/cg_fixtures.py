@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvguard.tools.plan import has_v1_runner, plan_config
+from vllm_kvguard.tools.plan.cudagraph import has_v1_runner, plan_config
 
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 RUNNERS = ["v1", "v2"] if has_v1_runner() else ["v2"]

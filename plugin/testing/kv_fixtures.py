@@ -13,50 +13,30 @@ supported versions.
   (free-queue order, ref counts, per-request lists and dicts, hashes) to prove a call left
   the state exactly as before;
 * :func:`make_scheduler` / :func:`scheduler_step` - a real ``Scheduler`` over the tiny
-  Llama config with a hand-sized pool, stepped without a model (empty runner output).
+  Llama config with a hand-sized pool, stepped without a model (empty runner output); the
+  builders (with ``accepted``, ``attention_spec``, ``kv_cache_config``) live in
+  :mod:`vllm_kvguard.tools.tiny_models`: ``kvguard demo`` runs them without this package.
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 from typing import Any
 
 import torch
 
-BLOCK_SIZE = 16
-
-
-def accepted(fn, kwargs: dict) -> dict:
-    """``kwargs`` restricted to the parameters ``fn`` accepts (version tolerance)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+from vllm_kvguard.tools.tiny_models import BLOCK_SIZE, accepted, attention_spec, kv_cache_config
+# The real Scheduler builders live with the tool that needs them at run time
+# (``kvguard demo``); here for the tests and the self-tests.
+from vllm_kvguard.tools.tiny_models import make_scheduler, make_vllm_config  # noqa: F401
 
 
 # ------------------------------------------------------------------------- specs & managers
-def attention_spec(block_size: int = BLOCK_SIZE, kind: str = "FullAttentionSpec", **extra):
-    from vllm.v1 import kv_cache_interface as kci
-
-    cls = getattr(kci, kind)
-    return cls(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
-               **extra)
-
-
 def mamba_spec(block_size: int = BLOCK_SIZE, mode: str = "align", nsb: int = 0):
     from vllm.v1 import kv_cache_interface as kci
 
     return kci.MambaSpec(**accepted(kci.MambaSpec, dict(
         block_size=block_size, shapes=((4, 8),), dtypes=(torch.bfloat16,),
         mamba_cache_mode=mode, num_speculative_blocks=nsb)))
-
-
-def kv_cache_config(specs, num_blocks: int):
-    from vllm.v1 import kv_cache_interface as kci
-
-    groups = [kci.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
-    return kci.KVCacheConfig(**accepted(kci.KVCacheConfig, dict(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)))
 
 
 def make_manager(specs, *, num_blocks: int, max_model_len: int = 1024,
@@ -236,57 +216,6 @@ def state_diff(before: dict, after: dict, *, hashes_may_shrink: bool = True,
         if a != b:
             diffs.append(f"{key}: {a!r} -> {b!r}")
     return diffs
-
-
-# ------------------------------------------------------------------------- a real Scheduler
-_configs: dict = {}
-
-
-def make_vllm_config(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE,
-                     max_model_len: int = 512, max_num_seqs: int = 8,
-                     max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True):
-    """A ``VllmConfig`` for the embedded tiny Llama (no download, no tokenizer)."""
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-
-    from vllm_kvguard.tools.tiny_models import write_model
-
-    key = ("model", max_model_len)
-    if key not in _configs:
-        _configs[key] = ModelConfig(**accepted(ModelConfig, dict(
-            model=write_model("llama"), skip_tokenizer_init=True,
-            max_model_len=max_model_len, dtype="bfloat16")))
-    model_config = _configs[key]
-    sched = SchedulerConfig(**accepted(SchedulerConfig, dict(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, is_encoder_decoder=False)))
-    cache = CacheConfig(**accepted(CacheConfig, dict(
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching)))
-    config = VllmConfig(**accepted(VllmConfig, dict(
-        model_config=model_config, scheduler_config=sched, cache_config=cache,
-        device_config=_cpu_device())))
-    config.cache_config.num_gpu_blocks = num_gpu_blocks
-    return config
-
-
-def _cpu_device():
-    """The CPU device explicitly: a CUDA build of vLLM on this machine cannot infer one."""
-    from vllm.config import DeviceConfig
-
-    return DeviceConfig(device="cpu")
-
-
-def make_scheduler(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE, **config_kw):
-    """A real ``Scheduler`` with a full-attention pool of ``num_gpu_blocks`` (incl. null)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    config = make_vllm_config(num_gpu_blocks=num_gpu_blocks, block_size=block_size,
-                              **config_kw)
-    kcc = kv_cache_config([attention_spec(block_size)], num_gpu_blocks)
-    return Scheduler(**accepted(Scheduler.__init__, dict(
-        vllm_config=config, kv_cache_config=kcc,
-        structured_output_manager=StructuredOutputManager(config), block_size=block_size,
-        log_stats=False)))
 
 
 _token = itertools.count(7)

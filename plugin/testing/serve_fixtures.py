@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from vllm_kvguard.tools.serve import Batch, Server, complete_all, parse_events, parse_gauges
 from vllm_kvguard.tools.tiny_models import write_model
-from vllm_kvguard.tools.workload import make_prompts
+from vllm_kvguard.tools.ab.workload import make_prompts
 
 
 PADDING_SITECUSTOMIZE = """\
@@ -31,7 +31,7 @@ try:
 
     @wrapt.when_imported("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
     def _kvguard_pad(module):
-        from vllm_kvguard.tools.workload import pad_cpu_conv_weights
+        from vllm_kvguard.tools.ab.workload import pad_cpu_conv_weights
 
         pad_cpu_conv_weights()
 except Exception:

@@ -1,1 +1,2 @@
-"""Operator tools: the ``kvguard-ab`` A/B benchmark, its workload runner, the truth table."""
+"""Operator tools: the ``kvguard`` command (:mod:`cli`) and its subcommands, one file per
+single-file command, one folder per command of several files (``ab/``, ``plan/``)."""

@@ -24,9 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, bool, str]] = {
     "demo": ("vllm_kvguard.tools.demo:main", True,
              "see it work in a few minutes: allocator faults kill vLLM, not vLLM with the "
              "fixes; a request that can never fit is refused"),
-    "ab": ("vllm_kvguard.tools.ab:main", True,
+    "ab": ("vllm_kvguard.tools.ab.cli:main", True,
            "A/B benchmark: the same workload with the plugin off and on"),
-    "plan": ("vllm_kvguard.tools.preflight:main", True,
+    "plan": ("vllm_kvguard.tools.plan.preflight:main", True,
              "pre-flight planner: per-group KV capacity and CUDA-graph coverage from a "
              "model's config.json (no weights, no GPU)"),
     "doctor": ("vllm_kvguard.tools.doctor:main", True,

@@ -1,8 +1,8 @@
 """``kvguard demo``: the two failures vllm-kvguard prevents, shown on this machine in minutes.
 
-1. Allocator faults. The A/B tool's ``alloc-faults`` load (:mod:`abscenarios`: the embedded
+1. Allocator faults. The A/B tool's ``alloc-faults`` load (:mod:`ab.scenarios`: the embedded
    tiny Llama, dummy weights, eight greedy token-id requests, a 64-block pool) runs on three
-   engines at once, each in its own process (:func:`harness.run_together`): no fault and no
+   engines at once, each in its own process (:func:`ab.harness.run_together`): no fault and no
    plugin (the reference); an allocator fault on every 7th block allocation with vLLM alone
    (the injector is the plugin itself with its fixes off, ``KVGUARD=1 KVGUARD_PATCHES=none
    KVGUARD_FAULTS=every=7``), which must die; the same faults with the fixes on, which must
@@ -22,10 +22,10 @@ import sys
 import textwrap
 import time
 
-from vllm_kvguard.tools import abstats
-from vllm_kvguard.tools.abscenarios import SCENARIOS, scenario_envs, scenario_spec
-from vllm_kvguard.tools.harness import run_together
-from vllm_kvguard.tools.workload import DEFAULTS, RESULT_TAG
+from vllm_kvguard.tools.ab import stats as abstats
+from vllm_kvguard.tools.ab.scenarios import SCENARIOS, scenario_envs, scenario_spec
+from vllm_kvguard.tools.ab.harness import run_together
+from vllm_kvguard.tools.ab.workload import DEFAULTS, RESULT_TAG
 
 SCENARIO = SCENARIOS["alloc-faults"]
 # The door's pool: 17 blocks of 16 tokens (16 usable: 256 tokens); 200 + 57 fits, 200 + 58
@@ -48,9 +48,9 @@ def jobs(faults: str, fixes_off: bool, threads: dict) -> list[tuple[dict, dict, 
     door = {"KVGUARD": "1"}
     if fixes_off:                          # the internal check that the demo can fail
         env_fixed["KVGUARD_PATCHES"] = door["KVGUARD_PATCHES"] = "none"
-    return [(spec, dict(threads), "vllm_kvguard.tools.workload"),
-            (spec, env_alone, "vllm_kvguard.tools.workload"),
-            (spec, env_fixed, "vllm_kvguard.tools.workload"),
+    return [(spec, dict(threads), "vllm_kvguard.tools.ab.workload"),
+            (spec, env_alone, "vllm_kvguard.tools.ab.workload"),
+            (spec, env_fixed, "vllm_kvguard.tools.ab.workload"),
             ({"with": door}, dict(threads), "vllm_kvguard.tools.demo --door-child")]
 
 
@@ -63,7 +63,7 @@ def _door_child(spec: dict) -> dict:
 
     from vllm_kvguard import activation
     from vllm_kvguard.fixes.estimation import admission
-    from vllm_kvguard.testing.kv_fixtures import make_scheduler, make_vllm_config
+    from vllm_kvguard.tools.tiny_models import make_scheduler, make_vllm_config
 
     def submit(rid: str, max_tokens: int) -> str | None:
         proc = InputProcessor(make_vllm_config(num_gpu_blocks=POOL_BLOCKS, block_size=BLOCK))
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_faults(args.faults)
     except ValueError as exc:
         build_parser().error(f"--faults: {exc}")
-    from vllm_kvguard.tools.ab import cpu_build_of_vllm, installed_vllm
+    from vllm_kvguard.tools.ab.cli import cpu_build_of_vllm, installed_vllm
 
     threads = ({"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
                if cpu_build_of_vllm() else {})

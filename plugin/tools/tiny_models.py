@@ -1,10 +1,14 @@
 """Tiny dummy-weight models embedded in the package (no download): a config.json is all
 vLLM needs with ``load_format="dummy"`` and ``skip_tokenizer_init=True``. Tests, the A/B
 tool and the CUDA-graph coverage planner build real engines and configs from them on any
-machine, offline, in seconds."""
+machine, offline, in seconds. :func:`make_vllm_config` / :func:`make_scheduler`: vLLM's
+own ``VllmConfig`` and ``Scheduler`` over the tiny Llama with a hand-sized pool, no engine
+(``kvguard demo``'s admission check; the test scaffolding imports them from here). Standard
+library only at import: vLLM and torch are imported by the functions that need them."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -91,3 +95,80 @@ def engine_kwargs(model_dir: str, **overrides) -> dict:
               seed=0)
     kw.update(overrides)
     return kw
+
+
+# ------------------------------------------------------------- a real Scheduler, no engine
+BLOCK_SIZE = 16
+
+
+def accepted(fn, kwargs: dict) -> dict:
+    """``kwargs`` restricted to the parameters ``fn`` accepts (version tolerance)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def attention_spec(block_size: int = BLOCK_SIZE, kind: str = "FullAttentionSpec", **extra):
+    import torch
+    from vllm.v1 import kv_cache_interface as kci
+
+    cls = getattr(kci, kind)
+    return cls(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+               **extra)
+
+
+def kv_cache_config(specs, num_blocks: int):
+    from vllm.v1 import kv_cache_interface as kci
+
+    groups = [kci.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+    return kci.KVCacheConfig(**accepted(kci.KVCacheConfig, dict(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)))
+
+
+_configs: dict = {}
+
+
+def make_vllm_config(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE,
+                     max_model_len: int = 512, max_num_seqs: int = 8,
+                     max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True):
+    """A ``VllmConfig`` for the embedded tiny Llama (no download, no tokenizer)."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    key = ("model", max_model_len)
+    if key not in _configs:
+        _configs[key] = ModelConfig(**accepted(ModelConfig, dict(
+            model=write_model("llama"), skip_tokenizer_init=True,
+            max_model_len=max_model_len, dtype="bfloat16")))
+    model_config = _configs[key]
+    sched = SchedulerConfig(**accepted(SchedulerConfig, dict(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, is_encoder_decoder=False)))
+    cache = CacheConfig(**accepted(CacheConfig, dict(
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching)))
+    config = VllmConfig(**accepted(VllmConfig, dict(
+        model_config=model_config, scheduler_config=sched, cache_config=cache,
+        device_config=_cpu_device())))
+    config.cache_config.num_gpu_blocks = num_gpu_blocks
+    return config
+
+
+def _cpu_device():
+    """The CPU device explicitly: a CUDA build of vLLM on this machine cannot infer one."""
+    from vllm.config import DeviceConfig
+
+    return DeviceConfig(device="cpu")
+
+
+def make_scheduler(*, num_gpu_blocks: int, block_size: int = BLOCK_SIZE, **config_kw):
+    """A real ``Scheduler`` with a full-attention pool of ``num_gpu_blocks`` (incl. null)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = make_vllm_config(num_gpu_blocks=num_gpu_blocks, block_size=block_size,
+                              **config_kw)
+    kcc = kv_cache_config([attention_spec(block_size)], num_gpu_blocks)
+    return Scheduler(**accepted(Scheduler.__init__, dict(
+        vllm_config=config, kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(config), block_size=block_size,
+        log_stats=False)))

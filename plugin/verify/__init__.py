@@ -10,9 +10,13 @@ patch is applied only after, in that process and before vLLM uses its targets:
    name: each checks what a vLLM change would break first), through the patch's own
    wrappers, quietly (log lines and counters of the test are not the engine's).
 
-A patch failing either is reverted and skipped with its reason. Inside the declared range
-nothing here runs. A verdict is shared with the processes this one starts (same vLLM,
-same node) through :data:`ENV_VERIFIED`, so a process tree tests each patch once.
+The cheap self-tests (pure Python KV managers) run at activation. Those of :data:`WHERE`
+run where their target runs, on what vLLM built there: the patch is applied pending, and
+its wrappers call :func:`due` before vLLM first uses the target in that process (the
+scheduler's process for containment, the model runner's for cudagraph). A patch failing
+either is reverted and skipped with its reason. Inside the declared range nothing here
+runs. A verdict is shared with the processes this one starts afterwards (same vLLM, same
+node) through :data:`ENV_VERIFIED`, so a process tree tests each patch once.
 """
 from __future__ import annotations
 
@@ -45,8 +49,19 @@ SHOWS = {
     "faults": "names and signatures only (test tooling)",
     "health": "names and signatures only (the verdict reads the front end's own state)",
 }
+#: patches whose self-test runs where vLLM uses their target, on what it built there
+WHERE = {
+    "containment": "the scheduler's process, before its Scheduler is built",
+    "cudagraph": "the model runner's process, before its KV cache and graphs are set up",
+}
 ENV_VERIFIED = "KVGUARD_VERIFIED"
+#: set while a self-test runs: a process vLLM starts meanwhile (its model registry probe,
+#: ``python -m vllm.model_executor.models.registry``, when a self-test builds a config)
+#: runs no self-test of its own (they would nest without end) and leaves the patch off
+ENV_TESTING = "KVGUARD_SELF_TESTING"
 _seconds: dict[str, float] = {}
+_pending: dict[str, tuple] = {}         # patch name -> (patch, version): self-test due
+_listeners: list = []                    # fn(name, reason) when a deferred verdict lands
 
 
 class SelfTestFailed(AssertionError):
@@ -59,6 +74,7 @@ class Verdict:
     reason: str = ""         # why not (empty when ok)
     stage: str = ""          # "drift" | "self-test" | "" (passed)
     cached: bool = False     # decided by an ancestor process
+    pending: bool = False    # applied; its self-test runs where its target runs (:func:`due`)
 
 
 def preflight(patch, version) -> list[str]:
@@ -93,9 +109,10 @@ def _remember(version, name: str, reason: str) -> None:
 
 
 def forget() -> None:
-    """Drop the shared verdicts (tests)."""
+    """Drop the shared verdicts and the pending self-tests (tests, deactivation)."""
     os.environ.pop(ENV_VERIFIED, None)
     _seconds.clear()
+    _pending.clear()
 
 
 def seconds() -> dict[str, float]:
@@ -103,13 +120,15 @@ def seconds() -> dict[str, float]:
     return dict(_seconds)
 
 
-def run_check(name: str) -> str:
+def run_check(name: str, **context) -> str:
     """Run patch ``name``'s self-test now (its patch applied); "" when it passed or it has
-    none, else the reason."""
+    none, else the reason. ``context``: what vLLM built where the target runs (the deferred
+    self-tests build a stand-in without it: ``kvguard doctor``, tests)."""
     target = CHECKS.get(name)
     if target is None:
         return ""
     t0 = time.perf_counter()
+    os.environ[ENV_TESTING] = name
     try:
         if callable(target):
             fn = target
@@ -117,13 +136,14 @@ def run_check(name: str) -> str:
             module, _, attr = target.partition(":")
             fn = getattr(importlib.import_module(module), attr)
         with log.quiet(), report.scratch():
-            fn()
+            fn(**context)
         return ""
     except SelfTestFailed as exc:
         return str(exc)
     except Exception as exc:           # the test could not run on this vLLM: not proven
         return f"{type(exc).__name__}: {exc}"[:200]
     finally:
+        os.environ.pop(ENV_TESTING, None)
         _seconds[name] = time.perf_counter() - t0
 
 
@@ -133,12 +153,18 @@ def verify(patch, version, apply) -> Verdict:
     missing = preflight(patch, version)
     if missing:
         return Verdict(False, "not in this vLLM: " + ", ".join(missing), "drift")
+    if os.environ.get(ENV_TESTING):
+        return Verdict(False, f"not verified: started during the {os.environ[ENV_TESTING]} "
+                              "self-test of a parent process", "self-test")
     known = _cached(version).get(patch.name)
     if known is not None and known != "ok":
         return Verdict(False, known, "self-test", cached=True)
     apply()
     if known == "ok":
         return Verdict(True, cached=True)
+    if patch.name in WHERE:
+        _pending[patch.name] = (patch, version)
+        return Verdict(True, pending=True)
     why = run_check(patch.name)
     reason = f"self-test failed: {why}" if why else ""
     _remember(version, patch.name, reason)
@@ -146,6 +172,38 @@ def verify(patch, version, apply) -> Verdict:
         patch.revert()
         return Verdict(False, reason, "self-test")
     return Verdict(True)
+
+
+def pending(name: str) -> bool:
+    """Whether patch ``name`` is applied here with its self-test still due."""
+    return name in _pending
+
+
+def due(name: str, **context) -> bool:
+    """Called by a deferred patch's wrappers before vLLM first uses its target in this
+    process: runs its self-test once, on ``context`` (what vLLM built here); a failure
+    reverts the patch. Returns whether the patch is still on (False: pass straight through).
+    Free when nothing is due (inside the proven range: always)."""
+    entry = _pending.pop(name, None)
+    if entry is None:
+        return True
+    patch, version = entry
+    if not patch.applied:                # reverted since (drift found at import)
+        return False
+    why = run_check(name, **context)
+    reason = f"self-test failed: {why}" if why else ""
+    _remember(version, name, reason)
+    if why:
+        patch.revert()
+    for listener in list(_listeners):
+        listener(name, reason)
+    return not why
+
+
+def on_verdict(listener) -> None:
+    """``listener(name, reason)`` when a deferred self-test ends ("" reason: passed)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
 
 
 # --------------------------------------------------------------------------- proven range

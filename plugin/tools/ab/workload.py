@@ -3,15 +3,15 @@
 The A/B tool and the integration tests both measure through this one runner, so they
 measure the same thing: fixed token-id prompts, greedy sampling, every request's outputs
 and finish reason, the pool's held blocks and audit after the run, and the plugin's own
-counters. It runs in a fresh child interpreter (:mod:`vllm_kvguard.tools.harness` starts
+counters. It runs in a fresh child interpreter (:mod:`vllm_kvguard.tools.ab.harness` starts
 it), where vLLM loads our entry point, so the environment decides whether the plugin is
 on; the engine runs in-process there unless ``multiprocess`` is set.
 
-    python -m vllm_kvguard.tools.workload '{"model": "llama", "num_requests": 8}'
+    python -m vllm_kvguard.tools.ab.workload '{"model": "llama", "num_requests": 8}'
 
 prints one line ``KVGUARD_WORKLOAD_RESULT {json}``.
 
-``python -m vllm_kvguard.tools.workload --serve SPEC`` keeps the engine and takes commands
+``python -m vllm_kvguard.tools.ab.workload --serve SPEC`` keeps the engine and takes commands
 on stdin, one a line (the A/B tool interleaves the rounds of two such engines):
 
 * once vLLM is imported it prints ``KVGUARD_WORKLOAD_IMPORTED {"ok", "import_s", "platform",

@@ -2,7 +2,7 @@
 summary per side.
 
 * ``--repeat`` times per scenario, a fresh pair of processes (``python -m
-  vllm_kvguard.tools.workload --serve``), A and B: a given pair of processes carries a bias
+  vllm_kvguard.tools.ab.workload --serve``), A and B: a given pair of processes carries a bias
   of its own (memory layout, hash seed), which only fresh processes average out, as pyperf
   does;
 * in a pair, both import vLLM and build their engine at the same time ("startup s" is
@@ -11,12 +11,12 @@ summary per side.
 * ``--warmup`` unmeasured rounds on each, then one sample: ``--rounds`` generate rounds of
   the same deterministic greedy workload on each engine, one by one in ABBA order; a
   sample's throughput = generated tokens of a round / its fastest round inside
-  ``LLM.generate`` (see :func:`vllm_kvguard.tools.abstats.throughput`);
+  ``LLM.generate`` (see :func:`vllm_kvguard.tools.ab.stats.throughput`);
 * greedy outputs are compared request by request (against a fault-free, plugin-off
   reference run when A died); a side that died or failed to start is not started again
   for the later pairs.
 
-The ratios and checks over these summaries are :mod:`vllm_kvguard.tools.abstats`.
+The ratios and checks over these summaries are :mod:`vllm_kvguard.tools.ab.stats`.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import math
 import sys
 import time
 
-from vllm_kvguard.tools import abstats
-from vllm_kvguard.tools.abscenarios import (MIN_AUTO_ROUNDS, Scenario, scenario_envs,
+from vllm_kvguard.tools.ab import stats as abstats
+from vllm_kvguard.tools.ab.scenarios import (MIN_AUTO_ROUNDS, Scenario, scenario_envs,
                                             scenario_spec, workload_key)
-from vllm_kvguard.tools.harness import WorkloadProcess, run_in_subprocess
+from vllm_kvguard.tools.ab.harness import WorkloadProcess, run_in_subprocess
 
 
 # ---------------------------------------------------------------------------- progress

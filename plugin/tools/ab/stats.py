@@ -2,7 +2,7 @@
 the pass/fail checks. Pure functions over plain dicts (no vLLM), so they are unit-tested.
 
 A *side* is what one engine process reported (see
-:func:`vllm_kvguard.tools.abrun.side_summary`): ``tok_s`` (one throughput per measured
+:func:`vllm_kvguard.tools.ab.run.side_summary`): ``tok_s`` (one throughput per measured
 sample), ``totals``, ``outputs``/``finish_reasons`` (the first round), ``held_blocks``,
 ``audit_violations``, ``counters``...
 

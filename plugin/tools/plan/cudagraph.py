@@ -1,6 +1,6 @@
 """The offline CUDA-graph coverage planner: the table a GPU engine would log, on any machine.
 
-    python -m vllm_kvguard.tools.plan --max-num-seqs 256 --num-speculative-tokens 3
+    python -m vllm_kvguard.tools.plan.cudagraph --max-num-seqs 256 --num-speculative-tokens 3
 
 :func:`plan_config` builds a real ``VllmConfig`` sized as vLLM sizes it on a (non-Blackwell)
 CUDA GPU; :func:`plan_owner` builds the runner's graph owner for it (keys, no capture) and
@@ -199,12 +199,12 @@ class PlanRunner:
 def main(argv: list[str] | None = None) -> int:
     """Offline planner: print the coverage table a GPU engine with these settings would log.
 
-    python -m vllm_kvguard.tools.plan --max-num-seqs 256 --num-speculative-tokens 3
+    python -m vllm_kvguard.tools.plan.cudagraph --max-num-seqs 256 --num-speculative-tokens 3
     """
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m vllm_kvguard.tools.plan",
+    p = argparse.ArgumentParser(prog="python -m vllm_kvguard.tools.plan.cudagraph",
                                 description=main.__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model dir (default: a tiny Llama config)")
     p.add_argument("--runner", choices=("v1", "v2"), default=None,

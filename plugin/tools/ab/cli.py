@@ -3,12 +3,12 @@ on (B), in one invocation, each engine in its own process; a side-by-side table 
 a JSON file and a PNG chart. ``python -m vllm_kvguard.tools.ab --help`` lists the options.
 
 This module is the command line: it checks every argument before any engine starts, runs
-the scenarios (:mod:`~vllm_kvguard.tools.abscenarios`) through the pair runner
-(:mod:`~vllm_kvguard.tools.abrun`), then the micro-benchmarks
-(:mod:`~vllm_kvguard.tools.abmicro`), and writes the report
-(:mod:`~vllm_kvguard.tools.abreport`). B/A is the median of the round-pair ratios, with
-min-max (:mod:`~vllm_kvguard.tools.abstats`). ``--serve``: A and B are real ``vllm serve``
-processes driven by an asynchronous OpenAI client (:mod:`~vllm_kvguard.tools.abserve`).
+the scenarios (:mod:`~vllm_kvguard.tools.ab.scenarios`) through the pair runner
+(:mod:`~vllm_kvguard.tools.ab.run`), then the micro-benchmarks
+(:mod:`~vllm_kvguard.tools.ab.micro`), and writes the report
+(:mod:`~vllm_kvguard.tools.ab.report`). B/A is the median of the round-pair ratios, with
+min-max (:mod:`~vllm_kvguard.tools.ab.stats`). ``--serve``: A and B are real ``vllm serve``
+processes driven by an asynchronous OpenAI client (:mod:`~vllm_kvguard.tools.ab.serve`).
 
 The default run (one A/B pair per scenario) takes about 10 minutes on a 2-core CPU machine;
 ``--help`` says so and names the short form. Exit status: 1 if any check fails (B not
@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvguard import __version__
-from vllm_kvguard.tools import abchart, abmicro, abreport, abserve
-from vllm_kvguard.tools.abrun import Progress, run_scenario, steps_for
-from vllm_kvguard.tools.abscenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS, SERVED
-from vllm_kvguard.tools.workload import DEFAULTS
+from vllm_kvguard.tools.ab import chart as abchart, micro as abmicro, report as abreport
+from vllm_kvguard.tools.ab import serve as abserve
+from vllm_kvguard.tools.ab.run import Progress, run_scenario, steps_for
+from vllm_kvguard.tools.ab.scenarios import DEFAULT_SCENARIOS, EMBEDDED, SCENARIOS, SERVED
+from vllm_kvguard.tools.ab.workload import DEFAULTS
 
 # CLI engine settings passed through to LLM(...): (flag, LLM keyword, type)
 ENGINE_FLAGS = (

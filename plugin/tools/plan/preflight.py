@@ -12,9 +12,9 @@
   when a ``max_model_len`` request can never fit;
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
   covers it (:mod:`vllm_kvguard.fixes.cudagraph.coverage`, sized as on a CUDA GPU by
-  :func:`vllm_kvguard.tools.plan.plan_config`);
+  :func:`vllm_kvguard.tools.plan.cudagraph.plan_config`);
 * warmup feasibility: the V2 warmup shapes the pool would leave unwarmed
-  (:mod:`vllm_kvguard.tools.warmup_check`);
+  (:mod:`vllm_kvguard.tools.plan.warmup_check`);
 * one verdict line. ``--json PATH`` (``-`` for stdout) writes the same as JSON.
 
 Sized for ``--device`` (default cuda) as the installed vLLM would size it there, from its
@@ -162,8 +162,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     """The plan as a JSON-able dict. ``keep``, if given, receives the objects it was
     computed from: ``vllm_config``, ``specs`` (the runner's), ``kv_cache_config``."""
     from vllm_kvguard.fixes.estimation import capacity, certificate
-    from vllm_kvguard.tools import layer_specs
-    from vllm_kvguard.tools.plan import engine_args, finish_config
+    from vllm_kvguard.tools.plan import layer_specs
+    from vllm_kvguard.tools.plan.cudagraph import engine_args, finish_config
 
     kv_bytes = None
     if num_gpu_blocks is None:
@@ -291,8 +291,8 @@ def _graphs_and_warmup(vc, kvc, cap, runner: str, problems: list[str]) -> dict:
     appended to ``problems``."""
     from vllm_kvguard.fixes.cudagraph.coverage import format_table
     from vllm_kvguard.fixes.cudagraph.planner import audit
-    from vllm_kvguard.tools import warmup_check
-    from vllm_kvguard.tools.plan import plan_owner
+    from vllm_kvguard.tools.plan import warmup_check
+    from vllm_kvguard.tools.plan.cudagraph import plan_owner
 
     cov = audit(plan_owner(vc, runner), cap.decodes_that_fit if cap.has_mamba else None)
     for r in cov.rows:

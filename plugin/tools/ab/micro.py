@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"   # in a source checkout
+BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"   # in a source checkout
 
 # name: (script, quick arguments, parser of the script's output)
 _PER_CALL = re.compile(r"vLLM ([\d,]+) Ir/call; through a pass-through \+([\d,]+) .*?through "

@@ -4,7 +4,7 @@ The model's layers ask for a one-process distributed world, the worker's scratch
 CUDA streams for MoE overlap and vLLM's compiled CUDA ops while they are built; here those
 are a gloo world of one, a workspace on the meta device, vLLM's own switch that turns the
 MoE stream off, and placeholders for ops the compiled library lacks here (never run).
-Used by :mod:`vllm_kvguard.tools.layer_specs`.
+Used by :mod:`vllm_kvguard.tools.plan.layer_specs`.
 """
 from __future__ import annotations
 

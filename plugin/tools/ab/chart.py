@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_kvguard.tools import abreport, abstats
+from vllm_kvguard.tools.ab import report as abreport, stats as abstats
 
 MISSING = "no PNG: matplotlib is not installed (pip install 'vllm-kvguard[chart]')"
 COLORS = {"A": "#8c8c8c", "B": "#2d6ec8", abstats.PASS: "#2a9640", abstats.FAIL: "#d22828",

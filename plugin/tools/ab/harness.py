@@ -1,4 +1,4 @@
-"""Start workload children (:mod:`vllm_kvguard.tools.workload`) from the parent and collect
+"""Start workload children (:mod:`vllm_kvguard.tools.ab.workload`) from the parent and collect
 their results, with a timeout on every wait.
 
 Each child is a fresh interpreter in its own process group, with every ``KVGUARD*``
@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from vllm_kvguard.tools.workload import IMPORTED_TAG, READY_TAG, RESULT_TAG, ROUND_TAG
+from vllm_kvguard.tools.ab.workload import IMPORTED_TAG, READY_TAG, RESULT_TAG, ROUND_TAG
 
 EXIT_GRACE_S = 2.0      # a --serve child that sent its result and has not exited is killed
 
@@ -40,7 +40,7 @@ def child_env(spec: dict, env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start_child(spec: dict, env: dict[str, str] | None = None,
-                module: str = "vllm_kvguard.tools.workload") -> subprocess.Popen:
+                module: str = "vllm_kvguard.tools.ab.workload") -> subprocess.Popen:
     """Start ``python -m module SPEC-JSON`` in its own process group (:func:`child_env`);
     ``module`` may carry arguments before the spec (``"pkg.mod --flag"``)."""
     return subprocess.Popen([sys.executable, "-m", *module.split(), json.dumps(spec)],
@@ -80,7 +80,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def run_in_subprocess(spec: dict, env: dict[str, str] | None = None,
                       timeout: float = 300.0) -> dict:
-    """Run :func:`vllm_kvguard.tools.workload.run` in a fresh interpreter with ``env`` added
+    """Run :func:`vllm_kvguard.tools.ab.workload.run` in a fresh interpreter with ``env`` added
     to this environment."""
     return collect(start_child(spec, env), spec, timeout)
 
@@ -133,7 +133,8 @@ class WorkloadProcess:
         self.error: str | None = None
         self._lines: queue.Queue = queue.Queue()
         self._stderr: collections.deque = collections.deque(maxlen=200)
-        cmd = [sys.executable, "-m", "vllm_kvguard.tools.workload", "--serve", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "vllm_kvguard.tools.ab.workload", "--serve",
+               json.dumps(spec)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1,
                                      env=child_env(spec, env), start_new_session=True)
@@ -221,7 +222,7 @@ class WorkloadProcess:
                 "error": self.error}
 
     def finish(self, timeout: float = 120.0) -> dict:
-        """The full result (as :func:`vllm_kvguard.tools.workload.run` returns it), ``stderr``
+        """The full result (as :func:`vllm_kvguard.tools.ab.workload.run` returns it), ``stderr``
         tail added; ends the child."""
         self.request_finish()
         msg = self._sent_finish and self._expect(RESULT_TAG, timeout)
