@@ -376,6 +376,9 @@ class Certificate:
         (prefix caching off, or every group full attention: a hit block is either counted
         as taken from the free queue or held by another request)."""
         n = min(int(num_tokens), self.max_model_len)
+        if n <= self._largest("prompt", self.admits):
+            return None         # admitted and prefilled alone: nothing to prove (cheap:
+            #                     the liveness guard asks for every new queue head)
         key = ("never", n, int(num_prompt_tokens))
         if key not in self._cache:
             self._cache[key] = self._never(n, int(num_prompt_tokens))
