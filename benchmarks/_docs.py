@@ -110,11 +110,12 @@ def write_docs(path: str, rec: dict) -> None:
     print(f"wrote {rec['bench']}:{rec['vllm']} into {path}")
 
 
-def add_arguments(ap, bench: str) -> None:
-    """A benchmark's ``--json``, ``--write-docs`` and ``--from-json`` options."""
-    ap.add_argument("--json", help="save the headline to this file")
+def add_arguments(ap, bench: str, when: str = "") -> None:
+    """A benchmark's ``--json``, ``--write-docs`` and ``--from-json`` options (``when``:
+    the mode they apply to, e.g. "with --instructions: ")."""
+    ap.add_argument("--json", help=f"{when}save the headline to this file")
     ap.add_argument("--write-docs", metavar="PAGE",
-                    help=f"write the headline into PAGE's bench:{bench}:<vLLM> block")
+                    help=f"{when}write the headline into PAGE's bench:{bench}:<vLLM> block")
     ap.add_argument("--from-json", metavar="RUN",
                     help="with --write-docs: take the figures from a saved --json run")
 

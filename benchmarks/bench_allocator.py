@@ -253,10 +253,7 @@ def instructions(args, form: str) -> int:
     rec = _docs.record("allocator", vllm.__version__, layouts, ratios, TARGET,
                        per_layout=per_layout,
                        command=f"bench_allocator.py --instructions --layouts {len(layouts)}")
-    if args.json:
-        _docs.save_json(args.json, rec)
-    if args.write_docs:
-        _docs.write_docs(args.write_docs, rec)
+    _docs.save(args, rec)
     return 0
 
 
@@ -276,19 +273,11 @@ def main(argv=None) -> int:
                     choices=range(1, len(_cgcount.LAYOUTS) + 1),
                     help="with --instructions or --per-call: heap layouts each side is "
                          "counted under")
-    ap.add_argument("--json", help="with --instructions: save the headline to this file")
-    ap.add_argument("--write-docs", metavar="PAGE",
-                    help="with --instructions: write the headline into PAGE's "
-                         "bench:allocator:<vLLM> block")
-    ap.add_argument("--from-json", metavar="RUN",
-                    help="with --write-docs: take the figures from a saved --json run")
+    _docs.add_arguments(ap, "allocator", when="with --instructions: ")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.from_json:
-        if not args.write_docs:
-            ap.error("--from-json needs --write-docs")
-        _docs.write_docs(args.write_docs, _docs.load_json(args.from_json))
+    if _docs.write_saved(ap, args):
         return 0
     form = "one Python transaction, its reads written out per manager"
     sequence = make_sequence(args.requests, args.steps, args.batch)

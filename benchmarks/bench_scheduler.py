@@ -336,18 +336,11 @@ def main(argv=None) -> int:
                     choices=range(1, len(_cgcount.LAYOUTS) + 1),
                     help="heap layouts each side is counted under (one child each)")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
-    ap.add_argument("--json", help="save the instruction counts' headline to this file")
-    ap.add_argument("--write-docs", metavar="PAGE",
-                    help="write the headline into PAGE's bench:scheduler:<vLLM> block")
-    ap.add_argument("--from-json", metavar="RUN",
-                    help="with --write-docs: take the figures from a saved --json run")
+    _docs.add_arguments(ap, "scheduler")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--layout", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.from_json:
-        if not args.write_docs:
-            ap.error("--from-json needs --write-docs")
-        _docs.write_docs(args.write_docs, _docs.load_json(args.from_json))
+    if _docs.write_saved(ap, args):
         return 0
     quiet(args.verbose)
     if args.child:
@@ -427,10 +420,7 @@ def main(argv=None) -> int:
             per_layout={"step": [b / a for a, b in zip(instr["off"], instr["on"])]},
             command=f"bench_scheduler.py --no-cpu --layouts {len(instr['layouts'])} "
                     f"--instr-steps {args.instr_steps}")
-        if args.json:
-            _docs.save_json(args.json, rec)
-        if args.write_docs:
-            _docs.write_docs(args.write_docs, rec)
+        _docs.save(args, rec)
         if "floor" in instr:
             off, on = statistics.fmean(instr["off"]), statistics.fmean(instr["on"])
             floor = statistics.fmean(instr["floor"])
