@@ -171,8 +171,9 @@ def fast_bound(managers, queue, params) -> tuple | None:
 
     The transaction compares with ``cdiv(groups * tokens, block) + spare``, no smaller and
     free of a division (:data:`.rollback.FAST`); ``unit_tests/test_fast_path_bound.py``
-    checks that on every layout against what calls really take. Without ``num_new_tokens`` or an int ``num_free_blocks`` on the free queue
-    (what ``BlockPool.get_num_free_blocks`` reads), there is no bound."""
+    checks that on every layout against what calls really take. Without
+    ``num_new_tokens`` or an int ``num_free_blocks`` on the free queue (what
+    ``BlockPool.get_num_free_blocks`` reads), there is no bound."""
     names = {p.lstrip("*").split("=")[0] for p in params}
     if "num_new_tokens" not in names or type(
             getattr(queue, "__dict__", {}).get("num_free_blocks")) is not int:
