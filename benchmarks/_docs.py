@@ -46,11 +46,23 @@ def load_json(path: str) -> dict:
 
 
 TITLES = {"scheduler": "Scheduler step", "allocator": "Allocator replay",
-          "engine": "Whole engine (in-process LLM.generate)"}
+          "engine": "Whole engine (in-process LLM.generate)",
+          "startup": "Engine startup, in range vs reporting a release outside it"}
 
 
 def render(rec: dict) -> str:
     """The block's body: one paragraph, Markdown."""
+    if rec.get("unit") == "s":          # wall-clock seconds (bench_startup), not a count
+        diffs = " / ".join(f"{v:+.2f} s ({k})" for k, v in rec["ratios"].items())
+        line = (f"**{TITLES.get(rec['bench'], rec['bench'])}, vLLM {rec['vllm']}** "
+                f"({rec['date']}, {rec.get('how', '')}): difference of the medians "
+                f"(outside - in range) {diffs}; target < {rec['target']} s: "
+                f"**{rec['verdict']}**.")
+        if rec.get("command"):
+            line += f" `{rec['command']}`"
+        if rec.get("extra"):
+            line += "\n\n" + rec["extra"].strip("\n")
+        return line
     n = len(rec["layouts"])
     ratios = " / ".join(f"{v:.4f}x ({k})" if len(rec["ratios"]) > 1 else f"{v:.4f}x"
                         for k, v in rec["ratios"].items())

@@ -26,6 +26,10 @@ noisy machine weighs on both alike.
 
     python benchmarks/bench_startup.py [--runs 3] [--mode multiprocess|inprocess|both]
                                        [--report 0.27.0] [--json RUN.json]
+                                       [--write-docs PAGE [--from-json RUN.json]]
+
+``--json`` saves the headline (``_docs.py``), ``--write-docs`` writes it into the page's
+``<!-- bench:startup:<vLLM> -->`` block (``--from-json``: from a saved run).
 
 A benchmark (beside the allocator, scheduler and engine ones), not a script of scripts/:
 it measures a cost of the plugin against a target and prints both sides.
@@ -41,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import _docs
 
 TAG = "KVGUARD_STARTUP_RESULT "
 TARGET_S = 2.0
@@ -157,6 +163,21 @@ def _check(side: str, res: dict, report: str) -> list[str]:
     return bad
 
 
+def _self_tests(runs: dict) -> str:
+    """What the outside runs' self-tests took: the front end's (``verify.seconds()``) and
+    the deferred ones' own lines (where they ran), the longest of the runs per patch."""
+    longest: dict = {}
+    for sides in runs.values():
+        for res in sides.get("outside", []):
+            for name, sec in res["seconds"].items():
+                longest[name] = max(longest.get(name, 0.0), sec)
+            for name, lines in res["verified"]["deferred"].items():
+                for ln in lines:
+                    sec = float(re.search(r"\(([\d.]+) s\)", ln).group(1))
+                    longest[name] = max(longest.get(name, 0.0), sec)
+    return ", ".join(f"{name} {sec:.2f} s" for name, sec in sorted(longest.items()))
+
+
 def _stats(xs: list[float]) -> str:
     return f"{statistics.median(xs):6.2f} s  ({min(xs):.2f}..{max(xs):.2f})"
 
@@ -170,11 +191,13 @@ def main(argv=None) -> int:
                     help="the version the outside side reports (outside the proven range)")
     ap.add_argument("--python", default=sys.executable, help="the venv's interpreter")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", help="save every run here")
+    _docs.add_arguments(ap, "startup")
     ap.add_argument("--child", choices=("multiprocess", "inprocess"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return child(a.child == "multiprocess")
+    if _docs.write_saved(ap, a):
+        return 0
     site = _site(a.report)
     modes = ("multiprocess", "inprocess") if a.mode == "both" else (a.mode,)
     runs: dict = {}
@@ -192,6 +215,7 @@ def main(argv=None) -> int:
                       f"{ {k: round(v, 2) for k, v in res['seconds'].items()} } "
                       f"deferred {res['verified']['deferred']}", flush=True)
     worst = 0.0
+    diffs, rows = {}, []
     for mode, sides in runs.items():
         print(f"\n{mode} (vLLM as installed vs reporting {a.report}), median (min..max) of "
               f"{a.runs}:")
@@ -201,12 +225,24 @@ def main(argv=None) -> int:
                 xs = [r[key] for r in sides[side]]
                 med[side] = statistics.median(xs)
                 print(f"  {label:15} {side:8} {_stats(xs)}")
+                rows.append(f"| {mode} | {label} | {side} | {_stats(xs).strip()} |")
             diff = med["outside"] - med["in range"]
             worst = max(worst, diff)
+            diffs[f"{mode}, {label}"] = round(diff, 2)
             print(f"  {label:15} difference {diff:+.2f} s (target < {TARGET_S:.0f} s)")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"runs": runs, "problems": problems}, fh, indent=1)
+    import vllm
+
+    rec = _docs.record("startup", vllm.__version__, [], diffs, TARGET_S,
+                       command=f"bench_startup.py --runs {a.runs} --mode {a.mode} "
+                               f"--report {a.report}",
+                       extra="| mode | time | side | median (min..max) |\n|---|---|---|---|\n"
+                             + "\n".join(rows))
+    rec.update(unit="s", how=f"{a.runs} runs a side, alternating; the self-tests outside "
+                             f"the range took at most: {_self_tests(runs)}",
+               problems=problems)
+    if problems:
+        rec["verdict"] = "MISS"
+    _docs.save(a, rec)
     for p in problems:
         print("PROBLEM:", p)
     print(f"\n{'ok' if worst < TARGET_S and not problems else 'NOT MET'}: worst difference "

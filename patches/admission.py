@@ -15,6 +15,12 @@ Targets
         -> :func:`vllm_kvguard.remote.first_reply`: until the engine's first reply has
         come (or failed, or 10 s passed), a request waits for it, so the first request
         after ``vllm serve`` starts is checked too. ``LLMEngine`` asks synchronously.
+    Outside the proven range its self-test (:func:`vllm_kvguard.verify.estimation.admission`)
+        runs where the limits are made, not here: in the scheduler's process, on a copy of
+        that engine's config, as the ``warmup`` patch's ``Scheduler.__init__`` wrapper
+        calls :func:`vllm_kvguard.verify.due` before the certificate publishes. Failed
+        there: no limits published (the door admits every request), the patch is off in
+        that process and, once the verdict arrives in the counters' reply, here too.
 Why
     Without it such a request is admitted, grows until it can never be readmitted and
     waits forever, holding the queue (vllm#39734, vllm#53130, vllm#45414, vllm#53868;

@@ -13,10 +13,15 @@ Run-time changes
     registration, a trip, or revert removes them all. A call whose pool holds more free
     blocks than it can take runs unrecorded (the transaction's fast path), except while
     the fault injector is on (``KVGUARD_FAULTS``).
+    ``Scheduler.schedule``: vLLM's call, then the ``kvguard_after_schedule``
+    implementations called directly (``manager.direct``, refreshed on every registration
+    change; through pluggy while a hook wrapper is registered), no ``HostCall`` per step.
     ``BlockPool`` per pool: the journal's seams (:mod:`.fixes.transaction.journal`): its
     free queue's ``popleft_n`` (the blocks ``get_new_blocks`` takes), ``touch`` and
-    ``_insert_block_hash``. The same seams on every release; ``metrics_collector`` is
-    never set, so vLLM 0.34's collector-less fast path in ``get_new_blocks`` stays on.
+    ``_insert_block_hash`` (these two only while calls record: calls with room take them
+    off, the next recorded call puts them back). The same seams on every release;
+    ``metrics_collector`` is never set, so vLLM 0.34's collector-less fast path in
+    ``get_new_blocks`` stays on.
 Why
     ``allocate_slots`` checks the budget once, then mutates group by group; a wrong
     estimate for one group raises ``ValueError("Cannot get N free blocks")`` half-way and
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 from vllm_kvguard import hostcall
 from vllm_kvguard import manager as plugins
-from vllm_kvguard.hostcall import HostCall, first_result, hooked
+from vllm_kvguard.hostcall import HostCall, after, first_result, hooked
 from vllm_kvguard.registry import InstanceAttr, Patch, Private, Target
 
 NAME = "allocator"
@@ -56,6 +61,7 @@ POOL_SEAMS = {
 class _State:
     fix = None                  # the Rollback this patch registered
     fast = False                # whether managers get their transaction installed
+    after = ()                  # kvguard_after_schedule's implementations (manager.direct)
     undo: list = []
 
 
@@ -69,6 +75,7 @@ def _recheck() -> None:
     choose the path again."""
     _State.fast = (_State.fix is not None and not _State.fix.disabled
                    and not hostcall.tripped(NAME) and _sole_fix())
+    _State.after = plugins.direct("kvguard_after_schedule") or (_after_schedule,)
     if not _State.fast:
         for m in FAST_PATH.objects():
             FAST_PATH.unset(m)
@@ -104,11 +111,15 @@ def allocate_slots(call: HostCall):
                         request=call.arg(0, "request"))
 
 
-@hooked(NAME)
-def schedule(call: HostCall):
-    output = call()
-    plugins.hook().kvguard_after_schedule(scheduler=call.instance, output=output)
-    return output
+@after(NAME)
+def schedule(scheduler, output) -> None:
+    for fn in _State.after:
+        fn(scheduler, output)
+
+
+def _after_schedule(scheduler, output) -> None:
+    """Through pluggy: while a hook wrapper is registered."""
+    plugins.hook().kvguard_after_schedule(scheduler=scheduler, output=output)
 
 
 def _notify(**kwargs) -> None:
@@ -141,7 +152,7 @@ def _teardown():
         plugins.unregister(name)
     if _State.fix is not None:
         _State.fix.close()
-    _State.fix, _State.fast = None, False
+    _State.fix, _State.fast, _State.after = None, False, ()
 
 
 PATCH = Patch(

@@ -35,7 +35,10 @@ Targets (each declares its own range below; all optional except the scheduler's)
         count speculative blocks, the null block and attention groups.
         The same hook -> :mod:`vllm_kvguard.fixes.estimation.certificate`: the prompt and
         total limits of vLLM's own admission path, stated and published for the door
-        (:mod:`vllm_kvguard.patches.admission`); the liveness guard uses the same.
+        (:mod:`vllm_kvguard.patches.admission`); the liveness guard uses the same. Outside
+        the proven range the admission patch's self-test runs here first
+        (:func:`vllm_kvguard.verify.due`, on a copy of this engine's config); no startup
+        report for a self-test's own private scheduler.
 Why
     Estimates that forget speculative decoding pass the check and then overflow the
     pool (TensorRT-LLM "count spec extra tokens in warmup block estimates"; vllm#51438).
@@ -45,6 +48,7 @@ from __future__ import annotations
 import importlib
 import logging
 
+from vllm_kvguard import verify
 from vllm_kvguard.log import once
 from vllm_kvguard.manager import hook
 from vllm_kvguard.hostcall import HostCall, hooked
@@ -106,7 +110,12 @@ def dummy_sampler_run(call: HostCall):
 @hooked(NAME)
 def scheduler_init(call: HostCall):
     call()
+    if verify.testing():                # a self-test's private scheduler: not the engine's
+        return
     sched = call.instance
+    # outside the proven range: the admission patch proves itself here, on this engine's
+    # config, before the certificate publishes its limits (a failure: none published)
+    verify.due("admission", vllm_config=sched.vllm_config)
     lines = []
     for part in hook().kvguard_startup_report(vllm_config=sched.vllm_config,
                                               kv_cache_config=sched.kv_cache_config,

@@ -3,6 +3,8 @@
 :func:`hooked` turns ``fn(call)`` into a wrapt wrapper: an unexpected exception of ours
 is logged once, the patch is marked tripped (every later call goes straight to vLLM) and
 vLLM's original code runs. vLLM's own errors and outcomes we raise on purpose pass.
+:func:`after` is the same contract for a fix that only looks at a finished call's result,
+without the per-call :class:`HostCall` (for ``Scheduler.schedule``, once a step).
 """
 from __future__ import annotations
 
@@ -99,6 +101,29 @@ def hooked(patch: str) -> Callable[[Callable[[HostCall], Any]], Callable]:
                     raise
                 trip(patch, exc)
                 return call.result if call.done else wrapped(*args, **kwargs)
+
+        wrapper.__name__ = getattr(fn, "__name__", "wrapper")
+        wrapper.__doc__ = fn.__doc__
+        return wrapper
+
+    return decorate
+
+
+def after(patch: str) -> Callable[[Callable[[Any, Any], None]], Callable]:
+    """Decorate ``fn(instance, result)`` into a wrapt wrapper that runs vLLM's call, then
+    ``fn`` on its result, failing open for ``patch`` like :func:`hooked`."""
+
+    def decorate(fn: Callable[[Any, Any], None]) -> Callable:
+        def wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            if patch not in _tripped:
+                try:
+                    fn(instance, result)
+                except KvguardOutcome:
+                    raise
+                except Exception as exc:
+                    trip(patch, exc)
+            return result
 
         wrapper.__name__ = getattr(fn, "__name__", "wrapper")
         wrapper.__doc__ = fn.__doc__

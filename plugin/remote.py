@@ -12,13 +12,16 @@ a process that is gone simply stops answering.
 refreshes a cache every :data:`REFRESH_S` (every data-parallel engine is asked, through
 vLLM's ``call_utility_all_async`` where it has one); ``LLMEngine`` is asked at collection
 time. An EngineCore also hands the front end what it offers (:func:`offer`: the admission
-limits) as plain JSON values in its entry, read with :func:`offered`; never code.
+limits, the verdicts of self-tests run there) as plain JSON values in its entry, read
+with :func:`offered`; never code. A reply's verdicts are handed to
+:func:`vllm_kvguard.verify.heard` as it arrives.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import sys
 import threading
 import weakref
 
@@ -152,6 +155,7 @@ async def _refresh_forever(ref: weakref.ref) -> None:
             reply = await asyncio.wait_for(_ask_async(engine), RPC_TIMEOUT_S)
             _cache[key] = [e for e in reply if isinstance(e, dict)]
             _refreshes[0] += 1
+            _heard(_cache[key])
         except asyncio.CancelledError:
             raise
         except Exception as exc:   # the engine is shutting down or gone: keep the last
@@ -196,7 +200,24 @@ def _ask_sync(engine) -> list[dict]:
              type(exc).__name__, exc)
         reply = []
     _sync_cache[id(engine)] = reply
+    _heard(reply)
     return reply
+
+
+def _heard(reply: list[dict]) -> None:
+    """Self-test verdicts other processes offer, for patches pending here."""
+    verify = sys.modules.get("vllm_kvguard.verify")
+    if verify is None:                       # nothing is verified in this process tree
+        return
+    own = os.getpid()
+    try:
+        verify.heard([e["offers"][verify.VERDICTS] for e in reply
+                      if e.get("pid") != own and isinstance(e.get("offers"), dict)
+                      and verify.VERDICTS in e["offers"]])
+    except Exception as exc:   # fail open: a verdict not heard leaves the patch as it is
+        once(logging.INFO, ("remote-verdicts", type(exc).__name__),
+             "vllm-kvguard: a self-test verdict from the engine was not read (%s: %s)",
+             type(exc).__name__, exc)
 
 
 def _unique(out: list[dict]) -> list[dict]:

@@ -159,3 +159,22 @@ def test_marked_function_keeps_identity_and_behaviour(tmp_path):
     assert bound is fn and fn(3) == "t6" and fn(3, k=3) == "t9"
     mark = getattr(marks, "m" + next(iter(names)).split("_")[1])
     assert fn.__code__.co_consts.count(mark) == 1             # the call goes through it
+
+
+# ------------------------------------------------------------------ bench_startup's block
+def test_startup_writes_seconds_not_a_count(tmp_path):
+    import bench_startup
+
+    saved = _docs.record("startup", "0.32.0", [], {"multiprocess, LLM() to ready": -0.26,
+                                                   "multiprocess, whole process": 2.4},
+                         bench_startup.TARGET_S, date="2026-12-06",
+                         extra="| mode | time | side | median (min..max) |\n|---|---|---|---|")
+    saved.update(unit="s", how="3 runs a side, alternating")
+    run, page = tmp_path / "run.json", tmp_path / "performance.md"
+    _docs.save_json(str(run), saved)
+    page.write_text(PAGE)
+    assert bench_startup.main(["--write-docs", str(page), "--from-json", str(run)]) == 0
+    block = page.read_text().split("<!-- bench:startup:0.32.0 -->")[1]
+    assert "-0.26 s (multiprocess, LLM() to ready) / +2.40 s (multiprocess, whole process)" \
+        in block
+    assert "target < 2.0 s: **MISS**" in block and "instructions" not in block

@@ -304,3 +304,38 @@ def test_vllms_argument_check_still_raises_on_the_fast_path():
     with pytest.raises(ValueError, match="num_new_tokens"):
         m.allocate_slots(make_request("zero", prompt(6, 20)), 0)
     assert "fast_path_fault" not in report.snapshot() and "contained" not in report.snapshot()
+
+
+def test_calls_with_room_take_the_touch_and_hash_seams_off_a_recorded_call_puts_them_back(
+        mocker):
+    """A call with room leaves only the pop seam; the next call that records (a prefix
+    hit into a nearly full pool) puts ``touch`` and ``_insert_block_hash`` back before vLLM
+    runs, so its failure half-way (after the hit's blocks were touched) is undone exactly."""
+    from vllm_kvguard.lookup import has_own
+    from vllm_kvguard.testing.kv_fixtures import attention_spec, make_manager, prefill
+
+    activate_alone()
+    m = make_manager([attention_spec()], num_blocks=64, max_model_len=1024,
+                     enable_caching=True)
+    pool, queue = m.block_pool, m.block_pool.free_block_queue
+    shared = prompt(3, 64)
+    first = make_request("first", shared + prompt(4, 8))
+    assert prefill(m, first) is not None                # room: unrecorded
+    journal = allocator._State.fix.plan_for(m).journal
+    assert not journal.hot and has_own(queue, "popleft_n")
+    assert not has_own(pool, "touch") and not has_own(pool, "_insert_block_hash")
+    m.free(first)                                       # its full blocks stay cached
+    fillers = 0
+    second = make_request("second", shared + prompt(5, 8))
+    while pool.get_num_free_blocks() >= allocator.fast_bound(m, 64 + 16):  # hit + chunk
+        filler = make_request(f"filler{fillers}", prompt(100 + fillers, 16))
+        assert prefill(m, filler) is not None
+        fillers += 1
+    assert m.get_computed_blocks(second)[1] == 64, "the shared prefix must be a hit"
+    before = state(m)
+    boom = mocker.patch.object(m.coordinator, "allocate_new_blocks",
+                               side_effect=RuntimeError("injected after the hit's touch"))
+    assert prefill(m, second) is None and boom.called   # rolled back: "no room now"
+    assert journal.hot and has_own(pool, "touch") and has_own(pool, "_insert_block_hash")
+    assert state_diff(before, state(m)) == []
+    assert report.snapshot()["rollback"] == {"RuntimeError": 1}

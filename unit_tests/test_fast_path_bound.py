@@ -74,6 +74,8 @@ class Measured:
         took = takes(self.plan.journal.log)
         assert took <= bound, (f"call took {took} blocks, bound {bound} ({tokens} tokens, "
                                f"{bound_args.arguments})")
+        big = self.plan.big                     # any call's bound: no call takes more
+        assert big is None or took <= big, f"call took {took} blocks, any call's bound {big}"
         self.calls += 1
         self.fast += free >= bound
         self.worst = max(self.worst, took / bound)

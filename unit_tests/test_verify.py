@@ -96,8 +96,9 @@ def test_a_vanished_name_skips_only_its_patch_naming_it(next_release, monkeypatc
     rest = [n for n in res if n != "containment" and not verify.preflight(BY_NAME[n],
                                                                            vllm_version())]
     assert "allocator" in rest
-    for name in rest:
-        assert res[name].startswith("applied (verified)"), (name, res[name])
+    for name in rest:              # verified here, or applied with its self-test due there
+        want = activation.PENDING if name in verify.WHERE else "applied (verified)"
+        assert res[name].startswith(want), (name, res[name])
     warning, = kvguard_log.lines(logging.WARNING)
     assert "not applied: " in warning and "containment (not in this vLLM: " in warning
     assert "_build_kv_connector_meta" in warning
@@ -118,11 +119,14 @@ def test_force_applies_without_checks(next_release, monkeypatch):
 
 
 def test_a_child_process_reuses_the_verdict_and_does_not_warn_again(next_release,
-                                                                    kvguard_log):
+                                                                    kvguard_log,
+                                                                    monkeypatch):
     activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
     inherited = {k: os.environ[k] for k in (verify.ENV_VERIFIED, process.ENV_NOTED)}
     activation.deactivate()                    # a child: same environment, fresh process
     os.environ.update(inherited)
+    # nor is the drift guard run again (it imports every module a patch names)
+    monkeypatch.setattr(verify, "preflight", lambda *a: pytest.fail("drift guard again"))
     try:
         res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator"})
         assert res["allocator"].startswith("applied (verified)")
@@ -173,18 +177,18 @@ def test_the_allocator_self_test_fails_without_the_fix():
 
 
 # ------------------------------------------------ self-tests that run where their target runs
-def _outside_for(monkeypatch, name: str) -> str:
-    """Make the installed vLLM report a release outside the proven range on which patch
-    ``name``'s names all resolve (newer where it can pass for one, else older: 0.32.0 code
-    lacks names the patches declare for 0.34+); skip if there is none."""
+def _outside_for(monkeypatch, *names: str) -> str:
+    """Make the installed vLLM report a release outside the proven range on which the
+    names of patches ``names`` all resolve (newer where it can pass for one, else older:
+    0.32.0 code lacks names the patches declare for 0.34+); skip if there is none."""
     from packaging.version import Version
 
     for version in (NEXT, "0.27.0"):
-        if not verify.preflight(BY_NAME[name], Version(version)):
+        if not any(verify.preflight(BY_NAME[n], Version(version)) for n in names):
             monkeypatch.setattr(vllm, "__version__", version)
-            assert not BY_NAME[name].supports(vllm_version())
+            assert not any(BY_NAME[n].supports(vllm_version()) for n in names)
             return version
-    pytest.skip(f"vLLM {vllm_version()} passes for no release outside the range for {name}")
+    pytest.skip(f"vLLM {vllm_version()} passes for no release outside the range for {names}")
 
 
 def _guarded(connector) -> bool:
@@ -270,3 +274,81 @@ def test_a_self_test_marks_the_processes_it_starts(monkeypatch):
                         lambda: seen.append(os.environ.get(verify.ENV_TESTING)))
     assert verify.run_check("allocator") == ""
     assert seen == ["allocator"] and verify.ENV_TESTING not in os.environ
+
+
+# ------------------------------------- admission: proven where its limits are made
+def test_admission_self_test_runs_on_the_engines_config_before_its_limits_are_published(
+        monkeypatch, kvguard_log):
+    from vllm_kvguard.fixes.estimation import admission
+    from vllm_kvguard.verify import estimation
+
+    _outside_for(monkeypatch, "admission", "warmup")
+    seen = []
+
+    def recorded(vllm_config=None):
+        seen.append((vllm_config, admission.published()))
+        estimation.admission(vllm_config=vllm_config)
+
+    monkeypatch.setitem(verify.CHECKS, "admission", recorded)
+    res = activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission,warmup"})
+    # the front end: applied, its self-test not run here (no scheduler, no config built)
+    assert res["admission"] == activation.PENDING and verify.pending("admission")
+    assert "admission" not in verify.seconds() and seen == []
+    # the scheduler's process: its Scheduler's config is the test's, no stand-in is built
+    monkeypatch.setattr(kf, "make_vllm_config", lambda **kw: pytest.fail("stand-in built"))
+    sched = kf.make_scheduler(num_gpu_blocks=17)
+    assert len(seen) == 1 and seen[0] == (sched.vllm_config, None)   # before publishing
+    assert activation.results()["admission"] == "applied (verified)"
+    assert "admission" in verify.seconds() and not verify.pending("admission")
+    assert any("admission self-test passed in" in m for m in kvguard_log.lines(logging.INFO))
+    limits = admission.published()                # the engine's limits, not the test's
+    assert (limits["prompt_limit"], limits["usable"], limits["max_model_len"]) == (256, 16, 512)
+    assert (sched.vllm_config.model_config.max_model_len,
+            sched.vllm_config.cache_config.num_gpu_blocks) == (512, 17)   # untouched
+
+
+def test_a_failing_admission_self_test_publishes_nothing_and_the_front_end_hears_it(
+        monkeypatch, kvguard_log):
+    import json
+
+    from vllm_kvguard import remote
+    from vllm_kvguard.fixes.estimation import admission
+
+    from vllm_kvguard.verify import estimation
+
+    def fails(vllm_config=None):
+        assert vllm_config is not None            # given the scheduler's own config
+        estimation.admission(vllm_config)         # its private schedulers publish nothing
+        raise verify.SelfTestFailed("the allocator took 257")
+
+    _outside_for(monkeypatch, "admission", "warmup")
+    monkeypatch.setitem(verify.CHECKS, "admission", fails)
+    # EngineCore: the self-test fails before publishing; nothing is published, the patch
+    # is off there and its verdict is in this process's entry of the counters' reply
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission,warmup"})
+    kf.make_scheduler(num_gpu_blocks=17)
+    reason = "self-test failed: the allocator took 257"
+    assert activation.results()["admission"] == f"skipped: {reason}"
+    assert not BY_NAME["admission"].applied and admission.published() is None
+    assert any("patch 'admission' off in" in m for m in kvguard_log.lines(logging.WARNING))
+    sent = json.loads(json.dumps(remote.entry()))
+    assert sent["offers"][verify.VERDICTS]["admission"].startswith(reason + " (in ")
+    assert admission.KEY not in sent["offers"]
+    activation.deactivate()
+    # the front end (another process): pending until the engine's reply brings the verdict
+    sent["pid"] = os.getpid() + 1
+
+    class Engine:                                   # LLMEngine's collective_rpc reply
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            return [sent]
+
+    engine = Engine()
+    try:
+        activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "admission"})
+        assert verify.pending("admission") and BY_NAME["admission"].applied
+        remote.attach(engine, is_async=False)
+        assert admission.published() is None       # the door: no limits, admits everything
+        assert not verify.pending("admission") and not BY_NAME["admission"].applied
+        assert activation.results()["admission"].startswith(f"skipped: {reason} (in ")
+    finally:
+        remote.reset()

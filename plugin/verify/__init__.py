@@ -13,10 +13,13 @@ patch is applied only after, in that process and before vLLM uses its targets:
 The cheap self-tests (pure Python KV managers) run at activation. Those of :data:`WHERE`
 run where their target runs, on what vLLM built there: the patch is applied pending, and
 its wrappers call :func:`due` before vLLM first uses the target in that process (the
-scheduler's process for containment, the model runner's for cudagraph). A patch failing
-either is reverted and skipped with its reason. Inside the declared range nothing here
-runs. A verdict is shared with the processes this one starts afterwards (same vLLM, same
-node) through :data:`ENV_VERIFIED`, so a process tree tests each patch once.
+scheduler's process for containment and for admission, whose limits are made there; the
+model runner's for cudagraph). A patch failing either is reverted and skipped with its
+reason. Inside the declared range nothing here runs. Verdicts (the drift guard's too) are
+shared with the processes this one starts afterwards (same vLLM, same node) through
+:data:`ENV_VERIFIED`, so a process tree checks each patch once; a deferred failure
+reaches the front end in the counters' ``collective_rpc`` reply (:func:`heard`), which
+turns the patch off there too.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import importlib
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -51,6 +55,7 @@ SHOWS = {
 }
 #: patches whose self-test runs where vLLM uses their target, on what it built there
 WHERE = {
+    "admission": "the scheduler's process, before its admission limits are published",
     "containment": "the scheduler's process, before its Scheduler is built",
     "cudagraph": "the model runner's process, before its KV cache and graphs are set up",
 }
@@ -62,6 +67,9 @@ ENV_TESTING = "KVGUARD_SELF_TESTING"
 _seconds: dict[str, float] = {}
 _pending: dict[str, tuple] = {}         # patch name -> (patch, version): self-test due
 _listeners: list = []                    # fn(name, reason) when a deferred verdict lands
+_verdicts: dict[str, str] = {}           # patch name -> reason ("" passed): deferred, here
+#: their key in this process's entry of the counters' reply (:mod:`vllm_kvguard.remote`)
+VERDICTS = "verdicts"
 
 
 class SelfTestFailed(AssertionError):
@@ -113,6 +121,23 @@ def forget() -> None:
     os.environ.pop(ENV_VERIFIED, None)
     _seconds.clear()
     _pending.clear()
+    _verdicts.clear()
+    if "vllm_kvguard.remote" in sys.modules:
+        sys.modules["vllm_kvguard.remote"].offer(VERDICTS, None)
+
+
+def testing() -> bool:
+    """Whether a self-test runs now (in this process: what vLLM builds meanwhile is the
+    test's, not the engine's; in a process started meanwhile: nothing is tested)."""
+    return bool(os.environ.get(ENV_TESTING))
+
+
+def failed(name: str) -> str:
+    """Why patch ``name``'s self-test failed in this process tree ("" if it did not)."""
+    from vllm_kvguard.versions import vllm_version
+
+    known = _cached(vllm_version()).get(name, "ok")
+    return "" if known == "ok" else known
 
 
 def seconds() -> dict[str, float]:
@@ -147,12 +172,29 @@ def run_check(name: str, **context) -> str:
         _seconds[name] = time.perf_counter() - t0
 
 
+#: suffix of a patch's drift-guard verdict among the shared verdicts
+NAMES = ":names"
+
+
+def _names(patch, version) -> str:
+    """The drift guard's reason ("" when it passes), decided once per process tree: it
+    imports every module the patch names (a few hundred for the model runner's), which
+    the processes started afterwards (EngineCore, workers) need not repeat."""
+    key = patch.name + NAMES
+    known = _cached(version).get(key)
+    if known is None:
+        missing = preflight(patch, version)
+        known = "not in this vLLM: " + ", ".join(missing) if missing else ""
+        _remember(version, key, known)
+    return "" if known == "ok" else known
+
+
 def verify(patch, version, apply) -> Verdict:
     """Drift guard, then ``apply()`` and the self-test; on failure the patch is reverted.
     ``apply``: applies the patch (raises like :meth:`Patch.apply`)."""
-    missing = preflight(patch, version)
-    if missing:
-        return Verdict(False, "not in this vLLM: " + ", ".join(missing), "drift")
+    drift = _names(patch, version)
+    if drift:
+        return Verdict(False, drift, "drift")
     if os.environ.get(ENV_TESTING):
         return Verdict(False, f"not verified: started during the {os.environ[ENV_TESTING]} "
                               "self-test of a parent process", "self-test")
@@ -192,12 +234,41 @@ def due(name: str, **context) -> bool:
         return False
     why = run_check(name, **context)
     reason = f"self-test failed: {why}" if why else ""
+    _settle(patch, version, name, reason)
+    _offer(name, reason)
+    return not why
+
+
+def _settle(patch, version, name: str, reason: str) -> None:
     _remember(version, name, reason)
-    if why:
+    if reason:
         patch.revert()
     for listener in list(_listeners):
         listener(name, reason)
-    return not why
+
+
+def _offer(name: str, reason: str) -> None:
+    """The verdict in this process's entry of the counters' reply (JSON strings)."""
+    from vllm_kvguard import process, remote
+
+    _verdicts[name] = reason and f"{reason} (in {process.role()}, pid {os.getpid()})"
+    remote.offer(VERDICTS, dict(_verdicts))
+
+
+def heard(offers) -> None:
+    """Verdicts other processes offer (``offers``: their :data:`VERDICTS` entries, raw):
+    a patch still pending here whose self-test failed where it runs is turned off here
+    too (the front end: no door without the engine's limits), with that process's reason.
+    A pass changes nothing here (the patch stays applied; its verdict is logged where it
+    ran)."""
+    for raw in offers:
+        if not isinstance(raw, dict):
+            continue
+        for name, reason in raw.items():
+            if name in _pending and isinstance(reason, str) and reason:
+                patch, version = _pending.pop(name)
+                if patch.applied:
+                    _settle(patch, version, name, reason[:300])
 
 
 def on_verdict(listener) -> None:

@@ -8,18 +8,22 @@ limits on receipt (a malformed entry is ignored) and uses the tightest; nothing 
 unpickled, nothing is written to disk. Its input processing refuses a prompt above the
 prompt limit, or a prompt + ``max_tokens`` above the total limit, with a ``ValueError``
 (``LLM.generate`` raises it, ``vllm serve`` answers HTTP 400). No limits known (or
-``KVGUARD_ADMISSION=off``): vLLM's behaviour.
+``KVGUARD_ADMISSION=off``): vLLM's behaviour. Outside the proven range the admission
+patch's self-test runs in the scheduler's process before :func:`publish`; nothing is
+published there until it has passed (failed: the door admits every request).
 """
 from __future__ import annotations
 
 import logging
+import sys
 
 from vllm_kvguard import remote, report
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.hostcall import KvguardOutcome
 from vllm_kvguard.log import once
 
-KEY = "admission"                      # the limits' key in EngineCore's remote entry
+NAME = "admission"                     # the patch
+KEY = NAME                             # the limits' key in EngineCore's remote entry
 KEYS = {"prompt_limit": int, "total_limit": int, "max_model_len": int, "usable": int,
         "prompt_group": str, "total_group": str, "statement": str}
 MAX_TEXT = 2000                        # a longer group name or statement is cut here
@@ -79,6 +83,11 @@ def tightest(all_limits: list[dict]) -> dict | None:
 def publish(limits: dict) -> None:
     """Make ``limits`` (:data:`KEYS`) the door's, in this process and, through the
     counters' ``collective_rpc`` reply, for a front end in another process."""
+    off = _unproven()
+    if off:
+        once(logging.INFO, ("admission-unproven",), "vllm-kvguard: admission limits not "
+             "published (%s); requests are not checked at the door", off)
+        return
     checked = validated(limits)
     if checked is None:
         once(logging.INFO, ("admission-publish",), "vllm-kvguard: admission limits not "
@@ -86,6 +95,17 @@ def publish(limits: dict) -> None:
         return
     _published[:] = [checked]
     remote.offer(KEY, checked)
+
+
+def _unproven() -> str:
+    """Why the admission patch's limits may not be published here ("" if they may): its
+    self-test failed in this process tree or has not run yet where it is due."""
+    verify = sys.modules.get("vllm_kvguard.verify")
+    if verify is None:                 # never loaded: inside the proven range
+        return ""
+    if verify.pending(NAME):
+        return "its self-test has not run here"
+    return verify.failed(NAME)
 
 
 def published() -> dict | None:

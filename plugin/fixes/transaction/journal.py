@@ -12,6 +12,9 @@ sees the pool through three seams, declared instance attributes of the allocator
 
 The log is one list per pool. A transaction empties it as it starts, so after a failure
 it holds that call's operations, in order: a popped block as itself, the rest as tuples.
+Calls that run unrecorded (the fast path) need only the pops (a fault there gives back
+the blocks the call took): while they run, ``touch`` and ``_insert_block_hash`` are off
+(:meth:`PoolJournal.cool`) and a recorded call puts them back first (:meth:`heat`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ _ref_and_prev = operator.attrgetter("ref_cnt", "prev_free_block")
 INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
 #: ``FreeKVCacheBlockQueue.popleft_n``'s parameters after ``self``.
 POP_PARAMS = ("n",)
+#: The seams a call with room does not need (:meth:`PoolJournal.cool`).
+COOLED = ("touch", "_insert_block_hash")
 
 
 def _params(fn) -> tuple | None:
@@ -42,6 +47,8 @@ class PoolJournal:
         self.queue = pool.free_block_queue
         self.log: list = []
         self.changes = changes          # seam name -> the patch's InstanceAttr declaration
+        self.hot = False                # touch and _insert_block_hash are installed
+        self._seams: dict = {}
 
     def unsupported(self) -> str | None:
         """Why this pool's seams are not the ones the journal knows (None: they are)."""
@@ -51,16 +58,20 @@ class PoolJournal:
         if params != INSERT_PARAMS:
             return "a BlockPool._insert_block_hash with other parameters"
         if _params(getattr(type(self.queue), "popleft_n", None)) != POP_PARAMS \
-                or not hasattr(self.queue, "__dict__"):
+                or not type(self.queue).__dictoffset__:      # no instance attributes
             return "a free block queue without popleft_n(n)"
         return None
 
     def install(self) -> bool:
         """Put the seams on the pool and its free queue; False (nothing left installed) if
         one cannot be."""
-        seams = {"popleft_n": (self.queue, self._popping()),
-                 "touch": (self.pool, self._touch),
-                 "_insert_block_hash": (self.pool, self._inserting())}
+        self._seams = {"popleft_n": (self.queue, self._popping()),
+                       "touch": (self.pool, self._touch),
+                       "_insert_block_hash": (self.pool, self._inserting())}
+        self.hot = self._set(self._seams)
+        return self.hot
+
+    def _set(self, seams: dict) -> bool:
         done = []
         for name, (obj, value) in seams.items():
             if not self.changes[name].set(obj, value):
@@ -70,7 +81,19 @@ class PoolJournal:
             done.append((name, obj))
         return True
 
+    def cool(self) -> None:
+        """Take ``touch`` and ``_insert_block_hash`` off (calls with room log only pops)."""
+        self.hot = False
+        for name in COOLED:
+            self.changes[name].unset(self.pool)
+
+    def heat(self) -> bool:
+        """Put them back before a recorded call; False if one cannot be (then none is)."""
+        self.hot = self._set({n: self._seams[n] for n in COOLED})
+        return self.hot
+
     def uninstall(self) -> None:
+        self.hot = False
         for name, change in self.changes.items():
             change.unset(self.queue if name == "popleft_n" else self.pool)
 

@@ -62,7 +62,7 @@ class Plan:
 
     __slots__ = ("manager", "managers", "gids", "journal", "cached", "align", "rare",
                  "record_ids", "containers", "signature", "reads", "names", "fast",
-                 "__weakref__")
+                 "big", "__weakref__")
 
     def __init__(self, manager, managers, journal):
         self.manager = manager
@@ -91,6 +91,7 @@ class Plan:
                                 and isinstance(getattr(m, "new_block_ids", None), list))
         self.reads, self.names = self._write_reads()
         self.fast = fast_bound(managers, journal.queue, self.signature[0])
+        self.big = any_call_bound(manager, managers, self.fast)
 
     def bound(self, tokens: int) -> int | None:
         """The most blocks a call given ``tokens`` (the sum of :attr:`fast`'s terms) can
@@ -176,7 +177,7 @@ def fast_bound(managers, queue, params) -> tuple | None:
     ``BlockPool.get_num_free_blocks`` reads), there is no bound."""
     names = {p.lstrip("*").split("=")[0] for p in params}
     if "num_new_tokens" not in names or type(
-            getattr(queue, "__dict__", {}).get("num_free_blocks")) is not int:
+            getattr(queue, "num_free_blocks", None)) is not int:
         return None
     terms = [n for n in TOKEN_PARAMS if n in names]
     if any(type(m).__name__ == "CrossAttentionManager" for m in managers):
@@ -188,6 +189,20 @@ def fast_bound(managers, queue, params) -> tuple | None:
         return None
     nsb = max([int(getattr(m, "num_speculative_blocks", 0) or 0) for m in managers] + [0])
     return tuple(terms), min(sizes), len(managers), len(managers) * (1 + SLACK + nsb)
+
+
+def any_call_bound(manager, managers, fast) -> int | None:
+    """The most blocks any ``allocate_slots`` call on ``manager`` can take, whatever its
+    arguments: every group's table covers at most ``cdiv(max_model_len, block)`` positions
+    (``num_tokens_need_slot`` is capped at ``max_model_len``, :func:`fast_bound`), plus the
+    same spare; None without a fast path, an int ``max_model_len`` or with a
+    cross-attention group (its encoder positions are not capped so)."""
+    mml = getattr(manager, "max_model_len", None)
+    if fast is None or type(mml) is not int or mml <= 0 or any(
+            type(m).__name__ == "CrossAttentionManager" for m in managers):
+        return None
+    _terms, block, groups, spare = fast
+    return groups * -(-mml // block) + spare
 
 
 def unsupported_reason(manager) -> str | None:

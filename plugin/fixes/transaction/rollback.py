@@ -67,43 +67,80 @@ def allocate_slots({params}):
         return recover(plan, ({values},), list(log), rid, request, error)
 """
 #: The fast path (:attr:`.plan.Plan.fast`): ``{tokens}`` its terms, vLLM's own parameters;
-#: ``free`` the free queue's ``__dict__`` (its ``num_free_blocks`` as an attribute load
-#: stayed unspecialised in the transaction, ``dis(..., adaptive=True)``; a dict read
-#: specialises), the bound multiplied out by the block size (no ``//``, which CPython
-#: 3.11 does not specialise): ``free * block >= tokens * groups + spare * block``.
+#: ``queue`` the pool's free queue, whose ``num_free_blocks`` is read as an attribute (its
+#: ``__dict__`` is never read: on CPython 3.11 that materialises it, and every later load
+#: of its attributes, in vLLM's own queue code too, goes the slow way). A call of at most
+#: ``{small}`` tokens (every decode) needs ``{small_need}`` free blocks, two comparisons of
+#: small ints (each followed by its jump, so CPython 3.11 specialises it); a longer one the
+#: bound multiplied out by the block size (no ``//``, which
+#: CPython 3.11 does not specialise): ``free * block >= tokens * groups + spare * block``
+#: (the products are new int objects: about 900 more instructions a call, counted by
+#: ``bench_allocator.py``). While calls find that much room (``room == 2``) the pool's
+#: ``touch`` and ``_insert_block_hash`` seams are off (:meth:`.journal.PoolJournal.cool`,
+#: about 0.6 % of the replay); a call that records puts them back first (``heat``), so a
+#: pool that swings near full (between the two bounds) keeps them on, with no churn.
 FAST = """\
-    try:
-        room = free["num_free_blocks"] * {block} >= ({tokens}) * {groups} + {spare}
+{big}    try:
+        tokens = {tokens}
+        if tokens <= {small} and queue.num_free_blocks >= {small_need}:
+            room = 2                            # plenty: the seams may go
+        elif queue.num_free_blocks * {block} >= tokens * {groups} + {spare}:
+            room = 1
+        else:
+            room = 0
     except Exception:                           # arguments the bound cannot add: record
-        room = False
+        room = 0
     if room:                                    # no call can run out of blocks: no record
+        if room == 2 and journal.hot:
+            journal.cool()
         try:
             return fn({forward})
         except Exception as error:
-            return fault(plan, list(log), request, error, {tokens})
+            return fault(plan, list(log), request, error, tokens)
+    if not journal.hot and not journal.heat():
+        disable(RuntimeError("the pool's seams could not be put back"))
+        return fn({forward})
+"""
+#: The first check of the fast path where the plan has :attr:`.plan.Plan.big`: a pool
+#: with room for any call of this manager (every call, on a pool that is not near full)
+#: costs one comparison, not the call's bound.
+BIG = """\
+    if queue.num_free_blocks >= {big}:          # room for any call of this manager
+        if journal.hot:
+            journal.cool()
+        try:
+            return fn({forward})
+        except Exception as error:
+            return fault(plan, list(log), request, error, None)
 """
 #: The fast path's own names (a parameter may not shadow them).
-FAST_NAMES = frozenset({"free", "room", "fault"})
+FAST_NAMES = frozenset({"queue", "journal", "tokens", "room", "fault"})
+#: Tokens of a call the short check covers, in blocks of the smallest block size.
+SMALL_BLOCKS = 8
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(reads: tuple, params: tuple, forward: tuple, fast: tuple | None = None):
+def _compiled(reads: tuple, params: tuple, forward: tuple, fast: tuple | None = None,
+              big: int | None = None):
     own = _function(_source(reads, ("request",), ()))
     taken = {p.lstrip("*").split("=")[0] for p in params} - {"", "request"}
     clash = taken & (set(own.co_names) | set(own.co_varnames) | FAST_NAMES)
     if clash:
         raise ValueError(f"allocate_slots parameter(s) {', '.join(sorted(clash))} would "
                          "shadow the transaction's own names")
-    return compile(_source(reads, params, forward, fast), "<vllm_kvguard transaction>",
+    return compile(_source(reads, params, forward, fast, big), "<vllm_kvguard transaction>",
                    "exec")
 
 
-def _source(reads, params, forward, fast=None) -> str:
+def _source(reads, params, forward, fast=None, big=None) -> str:
     block = ""
     if fast is not None:
         terms, size, groups, spare = fast
-        block = FAST.format(tokens=" + ".join(terms), block=size, groups=groups,
-                            spare=spare * size, forward=", ".join(forward))
+        small = SMALL_BLOCKS * size
+        first = "" if big is None else BIG.format(big=big, forward=", ".join(forward))
+        block = FAST.format(tokens=" + ".join(terms), block=size, groups=groups, big=first,
+                            spare=spare * size, forward=", ".join(forward), small=small,
+                            small_need=-(-small * groups // size) + spare)
     return TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
                               values=", ".join(f"v{j}" for j in range(len(reads))),
                               params=", ".join(params), forward=", ".join(forward),
@@ -171,9 +208,11 @@ class Rollback:
             params, forward, defaults = plan.signature
             names = dict(plan.names, fn=fn, log=plan.journal.log, plan=plan,
                          recover=self.recover, disable=self.disable,
-                         free=vars(plan.journal.queue), fault=self.fault)
+                         queue=plan.journal.queue, journal=plan.journal,
+                         fault=self.fault)
             names.update(defaults)
-            exec(_compiled(plan.reads, params, forward, plan.fast if self.fast else None),
+            exec(_compiled(plan.reads, params, forward, plan.fast if self.fast else None,
+                           plan.big if self.fast else None),
                  names)
         except Exception as exc:
             self.disable(exc)
@@ -220,15 +259,17 @@ class Rollback:
         """A call on the fast path raised: nothing recorded, nothing to undo from. vLLM's
         own argument check re-raises as on the recorded path; anything else ends only this
         request (:meth:`_doom`) and the call is "no room now". "Out of blocks" here means
-        the bound was wrong: our bug, logged with the bound."""
+        the bound was wrong: our bug, logged with the bound (``tokens`` None: the call ran
+        under the bound of any call, :attr:`.plan.Plan.big`)."""
         if raised_by_itself(error, plan.manager):
             raise error
         rid, cause = getattr(request, "request_id", None), type(error).__name__
         report.count("fast_path_fault", cause)
         if isinstance(error, ValueError) and "free blocks" in str(error):
-            logger.error("vllm-kvguard: BUG: allocate_slots(request %s, %d tokens) ran "
-                         "unrecorded under its bound of %d blocks and raised: %s",
-                         rid, tokens, plan.bound(tokens), error)
+            logger.error("vllm-kvguard: BUG: allocate_slots(request %s, %s tokens) ran "
+                         "unrecorded under its bound of %d blocks and raised: %s", rid,
+                         "any" if tokens is None else tokens,
+                         plan.big if tokens is None else plan.bound(tokens), error)
         if self._doom(plan, log, rid, (
                 f"request {rid} failed: its KV allocation raised {cause}: {error} (a call "
                 "with room, run unrecorded: nothing to undo)")):
