@@ -91,7 +91,7 @@ class Plan:
                                 and isinstance(getattr(m, "new_block_ids", None), list))
         self.reads, self.names = self._write_reads()
         self.fast = fast_bound(managers, journal.queue, self.signature[0])
-        self.big = any_call_bound(manager, managers, self.fast)
+        self.big = any_call_bound(manager, self.fast)
 
     def bound(self, tokens: int) -> int | None:
         """The most blocks a call given ``tokens`` (the sum of :attr:`fast`'s terms) can
@@ -191,15 +191,15 @@ def fast_bound(managers, queue, params) -> tuple | None:
     return tuple(terms), min(sizes), len(managers), len(managers) * (1 + SLACK + nsb)
 
 
-def any_call_bound(manager, managers, fast) -> int | None:
+def any_call_bound(manager, fast) -> int | None:
     """The most blocks any ``allocate_slots`` call on ``manager`` can take, whatever its
     arguments: every group's table covers at most ``cdiv(max_model_len, block)`` positions
     (``num_tokens_need_slot`` is capped at ``max_model_len``, :func:`fast_bound`), plus the
     same spare; None without a fast path, an int ``max_model_len`` or with a
-    cross-attention group (its encoder positions are not capped so)."""
+    cross-attention group (its encoder positions are not capped so: :func:`fast_bound`
+    then counts ``num_encoder_tokens`` among its terms)."""
     mml = getattr(manager, "max_model_len", None)
-    if fast is None or type(mml) is not int or mml <= 0 or any(
-            type(m).__name__ == "CrossAttentionManager" for m in managers):
+    if fast is None or type(mml) is not int or mml <= 0 or "num_encoder_tokens" in fast[0]:
         return None
     _terms, block, groups, spare = fast
     return groups * -(-mml // block) + spare
