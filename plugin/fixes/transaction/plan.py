@@ -96,10 +96,7 @@ class Plan:
     def bound(self, tokens: int) -> int | None:
         """The most blocks a call given ``tokens`` (the sum of :attr:`fast`'s terms) can
         take from the free queue; None without a fast path."""
-        if self.fast is None:
-            return None
-        _terms, block, groups, spare = self.fast
-        return -(-tokens * groups // block) + spare
+        return None if self.fast is None else call_bound(self.fast, tokens)
 
     def _write_reads(self) -> tuple[tuple, dict]:
         """The record as statements over the request id ``rid``, each setting one local
@@ -189,6 +186,13 @@ def fast_bound(managers, queue, params) -> tuple | None:
         return None
     nsb = max([int(getattr(m, "num_speculative_blocks", 0) or 0) for m in managers] + [0])
     return tuple(terms), min(sizes), len(managers), len(managers) * (1 + SLACK + nsb)
+
+
+def call_bound(fast: tuple, tokens: int) -> int:
+    """:func:`fast_bound`'s bound for a call given ``tokens``: ``cdiv(groups * tokens,
+    block) + spare`` blocks."""
+    _terms, block, groups, spare = fast
+    return -(-tokens * groups // block) + spare
 
 
 def any_call_bound(manager, fast) -> int | None:

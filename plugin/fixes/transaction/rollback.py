@@ -35,7 +35,7 @@ import weakref
 
 from vllm_kvguard import report
 from vllm_kvguard.fixes.transaction.journal import PoolJournal, popped
-from vllm_kvguard.fixes.transaction.plan import Plan, unsupported_reason
+from vllm_kvguard.fixes.transaction.plan import Plan, call_bound, unsupported_reason
 from vllm_kvguard.fixes.request_errors import end_request
 from vllm_kvguard.fixes.transaction.undo import (RollbackFailed, failing_group, orphans, raised_by_itself,
                                      rollback)
@@ -140,7 +140,7 @@ def _source(reads, params, forward, fast=None, big=None) -> str:
         first = "" if big is None else BIG.format(big=big, forward=", ".join(forward))
         block = FAST.format(tokens=" + ".join(terms), block=size, groups=groups, big=first,
                             spare=spare * size, forward=", ".join(forward), small=small,
-                            small_need=-(-small * groups // size) + spare)
+                            small_need=call_bound(fast, small))
     return TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
                               values=", ".join(f"v{j}" for j in range(len(reads))),
                               params=", ".join(params), forward=", ".join(forward),
