@@ -100,8 +100,7 @@ def _apply_one(patch, version, fl: Flags) -> str:
             if not verdict.ok:
                 logger.info("vllm-kvguard: patch %r skipped: %s", patch.name, verdict.reason)
                 return f"skipped: {verdict.reason}"
-            if verdict.pending:
-                verify.on_verdict(_settled)
+            verify.on_verdict(_settled)    # a deferred self-test or drift check may end it
             return (PENDING if verdict.pending else "applied (verified)") + \
                 (f" [{'; '.join(box[0])}]" if box and box[0] else "")
     except LookupError as exc:

@@ -308,15 +308,33 @@ class Patch:
         return [t.name for t in self.targets_in(version)
                 if t.required and resolve(t.module, t.qualname) is None]
 
-    def drift(self, version=None) -> list[str]:
-        """Every required name of this patch the installed vLLM lacks (the drift guard):
-        wrapped targets, run-time change sites and private names."""
-        missing = self.missing_targets(version)
+    def _checked(self, version=None) -> list:
+        """What the drift guard checks, each naming its ``module``: the targets and
+        required change sites the installed vLLM has by declaration, the private names."""
         current = version if version is not None else vllm_version()
-        missing += [m for c in self.changes
-                    if c.required and c.exists_in(current) and (m := c.missing())]
-        for private in self.uses:
-            missing += private.missing(version)
+        return (self.targets_in(version)
+                + [c for c in self.changes if c.required and c.exists_in(current)]
+                + list(self.uses))
+
+    def modules(self, version=None) -> set[str]:
+        """The vLLM modules holding the names :meth:`drift` checks."""
+        return {d.module for d in self._checked(version)}
+
+    def drift(self, version=None, modules=None) -> list[str]:
+        """Every required name of this patch the installed vLLM lacks (the drift guard):
+        wrapped targets, run-time change sites and private names; only those of
+        ``modules`` (module names) if given, else all (importing their modules)."""
+        missing = []
+        for d in self._checked(version):
+            if modules is not None and d.module not in modules:
+                continue
+            if isinstance(d, Target):
+                if d.required and resolve(d.module, d.qualname) is None:
+                    missing.append(d.name)
+            elif isinstance(d, Private):
+                missing += d.missing(version)
+            elif (m := d.missing()):
+                missing.append(m)
         return list(dict.fromkeys(missing))     # a missing class is named once
 
     def inventory(self) -> list[tuple[str, str, Any]]:

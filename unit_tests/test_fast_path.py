@@ -257,10 +257,13 @@ def test_a_fault_on_the_fast_path_ends_only_its_request(mocker):
         sched.add_request(req)
     coord = sched.kv_cache_manager.coordinator
     original = coord.allocate_new_blocks
+    free_at_fault = []
 
     def raise_for_bad(request_id, *args, **kwargs):
+        free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
         out = original(request_id, *args, **kwargs)     # the blocks are popped and held
         if request_id == "bad":
+            free_at_fault.append(free)
             raise RuntimeError("injected after allocate_new_blocks")
         return out
 
@@ -276,6 +279,8 @@ def test_a_fault_on_the_fast_path_ends_only_its_request(mocker):
     snap = report.snapshot()
     assert snap["fast_path_fault"] == {"RuntimeError": 1} and "rollback" not in snap
     assert snap["contained"] == {"allocate_slots": 1}
+    # the call ran under the bound of any call (the first check of the fast path)
+    assert free_at_fault[0] >= allocator._State.fix.plan_for(sched.kv_cache_manager).big
 
 
 def test_out_of_blocks_on_the_fast_path_is_our_bug_and_logged_with_the_bound(kvguard_log):

@@ -212,3 +212,24 @@ def test_status_prints_one_line_per_engine_core_and_the_verdict():
     lines = format_health(parse_metrics(text))
     assert lines == ["EngineCore dp0: 42.5 s holding work without a step, longest step "
                      "0.25 s, wedged: no", "/health: 503 (stalled)"]
+
+
+def test_the_heartbeat_names_what_the_head_waits_on_while_nothing_is_scheduled():
+    """A request its KV connector defers for 3 steps, on a REAL Scheduler: the beat names
+    the cause while nothing is scheduled, clears it once the request runs, and counts what
+    the scheduler holds at every step (the hookimpl called directly, as vLLM's hook does)."""
+    from vllm_kvguard.testing.connector_fixtures import make_connector_scheduler
+
+    beat = heartbeat.Heartbeat()
+    sched = make_connector_scheduler(defers=3)
+    sched.add_request(make_request("r0", list(range(3, 40)), max_tokens=4))
+    seen = []
+    for _ in range(5):
+        out, _ = scheduler_step(sched)
+        beat.kvguard_after_schedule(sched, out)
+        b = beat.beat
+        seen.append((b["steps"], b["running"], b["waiting"], b["waits_on"]))
+    assert seen == [(1, 0, 1, "kv_connector"), (2, 0, 1, "kv_connector"),
+                    (3, 0, 1, "kv_connector"), (4, 1, 0, ""), (5, 1, 0, "")]
+    assert beat.beat["longest_s"] > 0.0 and beat.beat["mono"] > 0.0
+    assert set(beat.beat) == set(heartbeat.new_beat())

@@ -193,3 +193,64 @@ def test_a_request_preempted_past_what_the_gate_readmits_is_ended(caching):
     assert results[False] == (None, "PREEMPTED")                    # vLLM alone: stuck
     assert results[True] == ("error", None)
     assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
+
+
+def _priority_scheduler(num_gpu_blocks: int = 17):
+    """A real ``Scheduler`` as :func:`make_scheduler` builds it, with the priority policy."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_kvguard.tools.tiny_models import (
+        BLOCK_SIZE, accepted, attention_spec, kv_cache_config, make_vllm_config)
+
+    config = make_vllm_config(num_gpu_blocks=num_gpu_blocks)
+    config.scheduler_config.policy = "priority"
+    return Scheduler(**accepted(Scheduler.__init__, dict(
+        vllm_config=config, kv_cache_config=kv_cache_config([attention_spec()], num_gpu_blocks),
+        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
+        log_stats=False)))
+
+
+def test_the_head_of_a_priority_queue_is_the_request_it_yields_first():
+    """Priority policy: the never-fitting request added last but first by priority heads
+    the queue (not the one added first): it is ended at once and the other proceeds. A
+    guard reading another request as the head would see one that fits, and end it at the
+    fixed point instead."""
+    activation.activate({"KVGUARD": "1", "KVGUARD_PATCHES": "allocator",
+                         "KVGUARD_LIVENESS_STEPS": str(STEPS)})
+    sched = _priority_scheduler()
+    assert type(sched.waiting).__name__ == "PriorityRequestQueue"
+    small = make_request("small", prompt(2, 20), max_tokens=4)
+    big = make_request("big", prompt(1, 400), max_tokens=4)
+    small.priority, big.priority = 1, 0
+    sched.add_request(small)
+    sched.add_request(big)
+    assert [r.request_id for r in sched.waiting] == ["big", "small"]
+    finished, scheduled = run(sched, 1)
+    assert finished == {"big": "error"} and not any(scheduled)
+    finished, _ = run(sched, 12)
+    assert finished == {"small": "length"}
+    assert report.snapshot()["liveness"] == {"finished_never_fits": 1}
+
+
+def test_each_scheduler_is_watched_on_its_own():
+    """Two schedulers stepped in turn, each with a request its connector defers for 70
+    steps: each head is counted once as waiting after its own 64 idle steps (a watch shared
+    between them would see the head change every call and never count)."""
+    from vllm_kvguard.testing.connector_fixtures import make_connector_scheduler
+
+    _activate(True)
+    scheds = [make_connector_scheduler(defers=70) for _ in range(2)]
+    for i, sched in enumerate(scheds):
+        sched.add_request(make_request(str(i), prompt(4 + i, 32), max_tokens=4))
+    first, finished = {}, {}
+    for step in range(1, 81):
+        for i, sched in enumerate(scheds):
+            out, engine_outputs = scheduler_step(sched)
+            if out.total_num_scheduled_tokens:
+                first.setdefault(i, step)
+            finished.update(finish_reasons(engine_outputs))
+    assert first == {0: 71, 1: 71} and finished == {"0": "length", "1": "length"}
+    counters = report.snapshot()
+    assert counters["waiting"] == {"kv_connector": 2} and "liveness" not in counters
+    assert report.gauges()["waiting_requests"]["kv_connector"] == 0

@@ -5,7 +5,8 @@ patch is applied only after, in that process and before vLLM uses its targets:
 
 1. the drift guard passes at run time: every declared target and private name resolves
    (:meth:`Patch.drift`) and the parameters its wrappers read sit where they expect
-   (:mod:`.signatures`);
+   (:mod:`.signatures`); names of a module the process has not loaded are checked when
+   vLLM imports it (a miss then turns the patch off there);
 2. its behavioural self-test passes on vLLM's real classes (:data:`CHECKS`, by patch
    name: each checks what a vLLM change would break first), through the patch's own
    wrappers, quietly (log lines and counters of the test are not the engine's).
@@ -30,6 +31,8 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+
+import wrapt
 
 from vllm_kvguard import log, report
 
@@ -85,12 +88,13 @@ class Verdict:
     pending: bool = False    # applied; its self-test runs where its target runs (:func:`due`)
 
 
-def preflight(patch, version) -> list[str]:
-    """The drift guard at run time: missing names, then moved parameters."""
+def preflight(patch, version, modules=None) -> list[str]:
+    """The drift guard at run time: missing names, then moved parameters (of the names in
+    ``modules`` only, if given: see :func:`_names`)."""
     from vllm_kvguard.verify.signatures import signature_drift
 
-    missing = patch.drift(version)
-    return missing or signature_drift(patch, version)
+    missing = patch.drift(version, modules)
+    return missing or signature_drift(patch, version, modules)
 
 
 def _key(version) -> str:
@@ -121,6 +125,7 @@ def forget() -> None:
     os.environ.pop(ENV_VERIFIED, None)
     _seconds.clear()
     _pending.clear()
+    _later.clear()
     _verdicts.clear()
     if "vllm_kvguard.remote" in sys.modules:
         sys.modules["vllm_kvguard.remote"].offer(VERDICTS, None)
@@ -177,16 +182,53 @@ NAMES = ":names"
 
 
 def _names(patch, version) -> str:
-    """The drift guard's reason ("" when it passes), decided once per process tree: it
-    imports every module the patch names (a few hundred for the model runner's), which
-    the processes started afterwards (EngineCore, workers) need not repeat."""
+    """The drift guard's reason ("" when it passes). Only the names of modules this
+    process has loaded are checked now; the rest when vLLM imports their module
+    (:func:`_check_at_import`), before any object of it exists: importing them here would
+    cost the front end about 2 s for the model runner's few hundred modules. A failure,
+    and a pass of every name, are shared with the processes started afterwards."""
     key = patch.name + NAMES
     known = _cached(version).get(key)
     if known is None:
-        missing = preflight(patch, version)
+        modules = patch.modules(version)
+        loaded = {m for m in modules if m in sys.modules}
+        missing = preflight(patch, version, loaded)
         known = "not in this vLLM: " + ", ".join(missing) if missing else ""
-        _remember(version, key, known)
+        if missing or loaded == modules:
+            _remember(version, key, known)
+        else:
+            for module in modules - loaded:
+                _check_at_import(module, patch, version)
     return "" if known == "ok" else known
+
+
+_later: dict[str, list] = {}            # module -> [(patch, version)]: names still to check
+_hooked: set[str] = set()               # modules with our post-import hook (never removed)
+
+
+def _check_at_import(module: str, patch, version) -> None:
+    _later.setdefault(module, []).append((patch, version))
+    if module not in _hooked:
+        _hooked.add(module)
+        wrapt.register_post_import_hook(_imported, module)
+
+
+def _imported(module) -> None:
+    """A module with names still to check was imported: a patch missing one is reverted
+    here (before vLLM builds anything from the module) and its verdict shared."""
+    for patch, version in _later.pop(module.__name__, ()):
+        try:
+            missing = patch.applied and preflight(patch, version, {module.__name__})
+            if missing:
+                reason = "not in this vLLM: " + ", ".join(missing)
+                _pending.pop(patch.name, None)
+                _settle(patch, version, patch.name, reason)
+                _offer(patch.name, reason)
+        except Exception as exc:        # fail open, and never into vLLM's import
+            log.logger.error("vllm-kvguard: patch %r reverted, internal error checking "
+                             "%s (%s: %s)", patch.name, module.__name__,
+                             type(exc).__name__, exc)
+            patch.revert()
 
 
 def verify(patch, version, apply) -> Verdict:
@@ -208,6 +250,8 @@ def verify(patch, version, apply) -> Verdict:
         _pending[patch.name] = (patch, version)
         return Verdict(True, pending=True)
     why = run_check(patch.name)
+    if not patch.applied:       # a module its self-test imported lacks a name (_imported)
+        return Verdict(False, _cached(version).get(patch.name) or why, "drift")
     reason = f"self-test failed: {why}" if why else ""
     _remember(version, patch.name, reason)
     if why:
@@ -272,7 +316,8 @@ def heard(offers) -> None:
 
 
 def on_verdict(listener) -> None:
-    """``listener(name, reason)`` when a deferred self-test ends ("" reason: passed)."""
+    """``listener(name, reason)`` when a deferred self-test ends ("" reason: passed) or a
+    name checked at import is missing."""
     if listener not in _listeners:
         _listeners.append(listener)
 

@@ -78,8 +78,10 @@ def problems(target) -> list[str]:
     return out
 
 
-def signature_drift(patch, version=None) -> list[str]:
+def signature_drift(patch, version=None, modules=None) -> list[str]:
+    """:func:`problems` of every target of ``patch`` (in ``modules`` only, if given)."""
     out = []
     for target in patch.targets_in(version):
-        out += problems(target)
+        if modules is None or target.module in modules:
+            out += problems(target)
     return out

@@ -91,13 +91,7 @@ FAST = """\
     except Exception:                           # arguments the bound cannot add: record
         room = 0
     if room:                                    # no call can run out of blocks: no record
-        if room == 2 and journal.hot:
-            journal.cool()
-        try:
-            return fn({forward})
-        except Exception as error:
-            return fault(plan, list(log), request, error, tokens)
-    if not journal.hot and not journal.heat():
+{unrecorded}    if not journal.hot and not journal.heat():
         disable(RuntimeError("the pool's seams could not be put back"))
         return fn({forward})
 """
@@ -106,12 +100,17 @@ FAST = """\
 #: costs one comparison, not the call's bound.
 BIG = """\
     if queue.num_free_blocks >= {big}:          # room for any call of this manager
-        if journal.hot:
+{unrecorded}"""
+#: The call with room, in both checks: the seams off (``{cool}``: when), vLLM's call with
+#: no record, a fault contained with no undo (:meth:`Rollback.fault`; ``{tokens}``: the
+#: bound's tokens, None under the bound of any call).
+UNRECORDED = """\
+        if {cool}journal.hot:
             journal.cool()
         try:
             return fn({forward})
         except Exception as error:
-            return fault(plan, list(log), request, error, None)
+            return fault(plan, list(log), request, error, {tokens})
 """
 #: The fast path's own names (a parameter may not shadow them).
 FAST_NAMES = frozenset({"queue", "journal", "tokens", "room", "fault"})
@@ -136,11 +135,14 @@ def _source(reads, params, forward, fast=None, big=None) -> str:
     block = ""
     if fast is not None:
         terms, size, groups, spare = fast
-        small = SMALL_BLOCKS * size
-        first = "" if big is None else BIG.format(big=big, forward=", ".join(forward))
+        small, call = SMALL_BLOCKS * size, ", ".join(forward)
+        first = "" if big is None else BIG.format(big=big, unrecorded=UNRECORDED.format(
+            cool="", forward=call, tokens=None))
         block = FAST.format(tokens=" + ".join(terms), block=size, groups=groups, big=first,
-                            spare=spare * size, forward=", ".join(forward), small=small,
-                            small_need=call_bound(fast, small))
+                            spare=spare * size, forward=call, small=small,
+                            small_need=call_bound(fast, small),
+                            unrecorded=UNRECORDED.format(cool="room == 2 and ",
+                                                         forward=call, tokens="tokens"))
     return TRANSACTION.format(reads="\n".join(" " * 8 + r for r in reads),
                               values=", ".join(f"v{j}" for j in range(len(reads))),
                               params=", ".join(params), forward=", ".join(forward),
