@@ -51,6 +51,7 @@ _deque_len = deque.__len__
 
 
 def queue_kind(queue) -> int:
+    """How :func:`head_of` reads the head of ``queue`` (by its type)."""
     cls = type(queue)
     if cls is deque or (cls.__name__ == "FCFSRequestQueue" and cls.__module__ == _QUEUES):
         return _DEQUE

@@ -104,7 +104,8 @@ class Heartbeat:
     def _head_cause(self, scheduler, queue) -> str:
         """What the head of the waiting queue waits on (the liveness guard's causes)."""
         try:
-            liveness = _liveness()
+            from vllm_kvguard.fixes.estimation import liveness
+
             if self._kind is None:
                 self._kind = liveness.queue_kind(queue)
             head = liveness.head_of(queue, self._kind)
@@ -117,14 +118,3 @@ class Heartbeat:
         except Exception:       # fail open: the cause is informational
             return "unknown"
 
-
-_module: list = []
-
-
-def _liveness():
-    """The liveness guard's module (imported on first use)."""
-    if not _module:
-        from vllm_kvguard.fixes.estimation import liveness
-
-        _module.append(liveness)
-    return _module[0]
