@@ -57,6 +57,11 @@ class Target:
         """Whether the installed vLLM is one that has this target (by declaration)."""
         return not self.versions or version is None or in_range(version, self.versions)
 
+    def missing(self) -> str | None:
+        """Its name when it is required and the installed vLLM lacks it."""
+        return self.name if self.required and resolve(self.module, self.qualname) is None \
+            else None
+
 
 @dataclass(frozen=True)
 class Private:
@@ -305,8 +310,7 @@ class Patch:
 
     def missing_targets(self, version=None) -> list[str]:
         """Required targets absent from the installed vLLM."""
-        return [t.name for t in self.targets_in(version)
-                if t.required and resolve(t.module, t.qualname) is None]
+        return [t.name for t in self.targets_in(version) if t.missing()]
 
     def _checked(self, version=None) -> list:
         """What the drift guard checks, each naming its ``module``: the targets and
@@ -328,12 +332,9 @@ class Patch:
         for d in self._checked(version):
             if modules is not None and d.module not in modules:
                 continue
-            if isinstance(d, Target):
-                if d.required and resolve(d.module, d.qualname) is None:
-                    missing.append(d.name)
-            elif isinstance(d, Private):
+            if isinstance(d, Private):
                 missing += d.missing(version)
-            elif (m := d.missing()):
+            elif (m := d.missing()):        # a Target or a required change site
                 missing.append(m)
         return list(dict.fromkeys(missing))     # a missing class is named once
 

@@ -72,6 +72,16 @@ def head_of(queue, kind):
     return item if item is None or hasattr(item, "request_id") else item[-1]
 
 
+def first_waiting(scheduler):
+    """The first request ``scheduler`` would look at: the head of its waiting queue, else
+    of ``skipped_waiting`` (vLLM 0.27-0.29); None when nothing waits."""
+    head = head_of(scheduler.waiting, queue_kind(scheduler.waiting))
+    skipped = getattr(scheduler, "skipped_waiting", None)
+    if head is None and skipped is not None:
+        head = head_of(skipped, queue_kind(skipped))
+    return head
+
+
 class _Watch:
     """Per scheduler: the head watched, and its queues with how to read their head."""
 
