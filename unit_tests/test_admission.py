@@ -24,8 +24,9 @@ from vllm_kvguard import activation, remote, report  # noqa: E402
 from vllm_kvguard.fixes.estimation import admission  # noqa: E402
 from vllm_kvguard.testing.kv_fixtures import make_scheduler, make_vllm_config  # noqa: E402
 
-LIMITS = {"prompt_limit": 256, "total_limit": 257, "max_model_len": 512, "usable": 16,
-          "prompt_group": "group 0 (full attention)", "total_group": "group 0 (full attention)",
+LIMITS = {"prompt_limit": 256, "total_limit": 257, "start_limit": 256, "max_model_len": 512,
+          "usable": 16, "prompt_group": "group 0 (full attention)",
+          "total_group": "group 0 (full attention)", "start_group": "nothing",
           "statement": "largest admissible request: prompt + max_tokens <= 257 tokens"}
 
 
@@ -110,6 +111,23 @@ def test_check_at_the_edges():
                                                 "256 tokens here, this prompt has 257"):
         admission.check(tight, "r", 257, 1)
     assert report.snapshot()["admission"] == {"refused": 1}
+
+
+def test_a_prompt_over_the_start_limit_completes_only_one_token_past_the_prompt_limit():
+    """Async scheduling: a prompt over the start limit is preempted as it starts decoding
+    and re-admitted one token longer each time; the door lets through only the totals
+    that complete that way (prompt limit + 1), and says which prompt would do better."""
+    band = {**LIMITS, "prompt_limit": 48, "total_limit": 97, "start_limit": 40,
+            "start_group": "first decode step after prefill chunk 0-41: group 1 (sliding "
+                           "window 32) 3"}
+    admission.check(band, "r", 40, 57)                    # under the start limit: T
+    admission.check(band, "r", 41, 8)                     # total 49 = prompt limit + 1
+    with pytest.raises(admission.Refused, match="a prompt over 40 tokens is preempted as it "
+                                                "starts decoding.*41 \+ 9 = 50.*max_tokens "
+                                                "<= 8 would fit"):
+        admission.check(band, "r", 41, 9)
+    assert admission.validated({**band, "start_limit": -1}) is None
+    assert admission.validated({k: v for k, v in band.items() if k != "start_limit"}) is None
 
 
 def test_without_the_patch_or_limits_vllm_decides():

@@ -67,6 +67,9 @@ class Layout:
         bits += [f"mml={self.max_model_len}", f"p={self.small_prompt}"]
         return " ".join(bits)
 
+    def scheduler(self):
+        return build(self)
+
 
 # ------------------------------------------------------------------------------ building
 def specs(layout: Layout) -> list:
@@ -202,9 +205,10 @@ class Outcome:
 _prompt_base = itertools.count(0)
 
 
-def run_alone(layout: Layout, prompt_len: int, max_tokens: int, *, scheduler=None) -> Outcome:
-    """One request alone on a fresh scheduler of ``layout``, stepped to an outcome."""
-    sched = scheduler or build(layout)
+def run_alone(layout, prompt_len: int, max_tokens: int, *, scheduler=None) -> Outcome:
+    """One request alone on a fresh scheduler of ``layout`` (a :class:`Layout`, or any
+    object with its stepping fields and ``scheduler()``), stepped to an outcome."""
+    sched = scheduler or layout.scheduler()
     base = next(_prompt_base) * 7919
     tokens = [(base + j * 31) % 30000 + 3 for j in range(prompt_len)]
     req = kf.make_request("r", tokens, block_size=layout.block_size, max_tokens=max_tokens)
@@ -280,6 +284,8 @@ class Limits:
     above_prompt: Outcome | None = None     # the outcome one past the prompt limit
     above_total: Outcome | None = None
     non_monotone: list = field(default_factory=list)
+    starts: dict = field(default_factory=dict)  # prompt -> it completes a total of P + 2
+    totals: dict = field(default_factory=dict)  # prompt -> its largest completing total
 
 
 def true_limits(layout: Layout, *, scan: bool = False) -> Limits:
@@ -305,5 +311,35 @@ def true_limits(layout: Layout, *, scan: bool = False) -> Limits:
         lim.above_total = outcome(p, max(total, p) + 1 - p)
     if scan:
         lim.non_monotone = [n for n in range(1, mml) if outcome(n, 1).ok != (n <= prompt)]
+    _two_dimensional(layout, lim, outcome, scan)
     lim.runs = len(seen)
     return lim
+
+
+def total_of(layout: Layout, prompt: int) -> int:
+    """The largest prompt + ``max_tokens`` a lone ``prompt`` completes: one run that may
+    generate up to ``max_model_len``; where it is stuck, what it had generated (a run
+    with fewer ``max_tokens`` is a prefix of this one)."""
+    o = run_alone(layout, prompt, layout.max_model_len - prompt)
+    return layout.max_model_len if o.ok else prompt + o.outputs
+
+
+def _two_dimensional(layout: Layout, lim: Limits, outcome, scan: bool) -> None:
+    """Prompts below the prompt limit whose totals stop short of the total limit (the
+    async scheduler preempts a request as it starts decoding): which prompts complete a
+    total of ``P + 2`` (the top ``2 * block_size + 4`` prompts and four drawn below; with
+    ``scan`` every prompt), and the largest total of a few (the lowest and highest of
+    those and two drawn)."""
+    import random
+
+    p_lim = lim.prompt
+    if p_lim < 1:
+        return
+    rng = random.Random(layout.name)
+    low = max(1, p_lim - 2 * layout.block_size - 4)
+    drawn = {rng.randint(1, p_lim) for _ in range(4)}
+    if p_lim + 2 <= layout.max_model_len and lim.total >= p_lim + 2:
+        window = range(1, p_lim + 1) if scan else sorted(set(range(low, p_lim + 1)) | drawn)
+        lim.starts = {p: outcome(p, p_lim + 2 - p).ok for p in window}
+    for p in sorted({low, p_lim} | set(list(drawn)[:2])):
+        lim.totals[p] = total_of(layout, p)

