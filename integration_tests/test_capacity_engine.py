@@ -72,7 +72,8 @@ def run(LLM, SamplingParams, activation, capacity, engine_kwargs, model, k, mml,
         max_running=max_running, max_drafts=drafts,
         groups=[[g.kind, g.plain, g.spec] for g in cap.groups],
         per_request_plain=cap.per_request_plain, per_request_spec=cap.per_request_spec,
-        true=cap.true_concurrency, vllm=cap.vllm_concurrency)), flush=True)
+        true=cap.true_concurrency, vllm=cap.vllm_concurrency, admit=cap.admit_blocks,
+        hold=cap.hold_blocks)), flush=True)
     del llm, engine, sched, managers
 
 if __name__ == "__main__":
@@ -124,7 +125,7 @@ def test_report_is_logged_once_with_spec_aware_numbers(engine_runs):
         assert k in results, logs[k][-4000:]
         assert logs[k].count("vllm-kvguard KV capacity:") == 1, logs[k][-3000:]
         res = results[k]
-        assert f"per request: plain={res['per_request_plain']} " \
+        assert f"per request: peak plain={res['per_request_plain']} " \
                f"spec={res['per_request_spec']}" in logs[k]
 
 
@@ -149,6 +150,6 @@ def test_report_matches_the_scheduler_at_full_load(engine_runs, k):
     # ... and how many requests it runs at once when the pool is the limit.
     assert res["max_running"] == int(res["true"]) < REQUESTS
     usable = POOL - 1
-    assert res["true"] == pytest.approx(usable / res["per_request_spec"])
+    assert res["true"] == 1 + (usable - res["admit"]) // res["hold"]
     # vLLM's own figure counts the null block as usable.
     assert res["vllm"] == pytest.approx(POOL / res["per_request_spec"])

@@ -134,7 +134,8 @@ def test_mamba_full_decode_warning_names_the_numbers(kvguard_log):
     blocks: vLLM's check passes, but at most 51 decodes fit (Mamba alone: 256 // 5)."""
     cfg = make_config(mml=4096, k=3, mode="align", max_num_seqs=256, full_graphs=True)
     kvc = make_kv_cache_config([spec_mamba(16, "align", 3)], 257)
-    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc)
+    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc,
+                                            scheduler=None)
     cap = capacity.last_report()
     assert cap.decode_blocks == 5 and cap.decodes_that_fit == 51
     warnings = kvguard_log.lines(logging.WARNING)
@@ -147,13 +148,16 @@ def test_report_lines_are_parseable():
     mml = 128
     cfg = make_config(mml=mml, k=3, lookahead=0)
     kvc = make_kv_cache_config([spec_full(16), spec_mamba(mml, "none", 3)], 100)
-    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc)
+    lines = capacity.kvguard_startup_report(vllm_config=cfg, kv_cache_config=kvc,
+                                            scheduler=None)
     text = "\n".join(lines)
-    assert "group 0 FullAttentionSpec block_size=16: blocks/request at max_model_len " \
-           "plain=8 spec=8" in text
-    assert "group 1 MambaSpec(none, nsb=3) block_size=128: blocks/request at max_model_len " \
-           "plain=1 spec=4" in text
-    assert "per request: plain=9 spec=12; true max concurrency=8.25x (8 requests)" in text
+    assert "group 0 FullAttentionSpec block_size=16: peak blocks/request at max_model_len " \
+           "plain=8 spec=8; held decoding at max_model_len=8" in text
+    assert "group 1 MambaSpec(none, nsb=3) block_size=128: peak blocks/request at " \
+           "max_model_len plain=1 spec=4; held decoding at max_model_len=4" in text
+    assert "per request: peak plain=9 spec=12; blocks to admit one max_model_len request=12" \
+           in text
+    assert "true max concurrency=8 max_model_len requests at once (1 + (99 - 12) // 12)" in text
 
 
 # ------------------------------------------------------------------ cost: once per KV config

@@ -7,10 +7,13 @@ blocks a speculative Mamba sequence holds, the null block and the attention grou
 This report recomputes, from the reserved-block model
 (:func:`vllm_kvguard.fixes.estimation.estimate.reserved_blocks`), per KV-cache group:
 
-* blocks one request holds at its peak on the way to ``max_model_len``, without and with
-  speculative decoding (lookahead, draft tokens per step, Mamba speculative blocks);
-* the true maximum concurrency: usable blocks (``num_blocks - 1``) over that sum, beside
-  vLLM's own figure;
+* blocks one request holds at its peak on the way to ``max_model_len`` (what admitting
+  and prefilling one takes), without and with speculative decoding;
+* the true maximum concurrency: how many ``max_model_len`` requests the scheduler runs at
+  once. Only the request being admitted needs its admission count free (vLLM's own gate,
+  :mod:`.certificate`); each other one holds what it holds decoding at ``max_model_len``
+  (a sliding-window group: about its window, not its prefill peak). vLLM's own figure
+  charges every request the peak and is printed beside it;
 * on models with Mamba groups: how many decoding sequences fit at once against
   ``max_num_seqs`` (what FULL decode CUDA graphs are captured for), with a warning naming
   the numbers and the flag to change when they do not.
@@ -46,6 +49,7 @@ class GroupCapacity:
     spec: int                # ... with this engine's speculative decoding
     decode: int              # blocks one short decoding sequence holds (with speculation)
     is_mamba: bool = False
+    hold: int = 0            # blocks one request holds decoding at max_model_len
 
 
 @dataclass
@@ -61,6 +65,10 @@ class Capacity:
     per_request_plain: int = 0
     per_request_spec: int = 0
     decode_blocks: int = 0
+    admit_blocks: int = 0    # free blocks admitting and prefilling one max_model_len request takes
+    admit_by: str = ""       # what binds that count
+    hold_blocks: int = 0     # blocks one request holds decoding at max_model_len
+    basis: str = ""          # where the admission count comes from
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -68,8 +76,14 @@ class Capacity:
         return self.num_blocks - 1               # block 0 is the null block
 
     @property
-    def true_concurrency(self) -> float:
-        return self.usable / self.per_request_spec if self.per_request_spec else float("inf")
+    def true_concurrency(self) -> int | float:
+        """``max_model_len`` requests running at once: one being admitted (needs
+        :attr:`admit_blocks` free), each other one decoding (holds :attr:`hold_blocks`)."""
+        if not self.hold_blocks:
+            return float("inf")
+        if self.admit_blocks > self.usable:
+            return 0
+        return 1 + (self.usable - self.admit_blocks) // self.hold_blocks
 
     @property
     def has_mamba(self) -> bool:
@@ -231,6 +245,46 @@ def in_flight_tokens(vllm_config) -> int:
     return int(value)
 
 
+def model_certificate(vllm_config, kv_cache_config):
+    """A :class:`~.certificate.Certificate` from the configs alone, for where no scheduler is
+    at hand: no vLLM gate, so admission is the reserved-block model's largest prefill chunk."""
+    from vllm_kvguard.fixes.estimation.certificate import Certificate, Schedule
+
+    sched = vllm_config.scheduler_config
+    batches = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
+    if not getattr(sched, "async_scheduling", False):
+        batches = 1
+    schedule = Schedule(budget=int(sched.max_num_batched_tokens), gate=False,
+                        chunked=bool(getattr(sched, "enable_chunked_prefill", True)),
+                        in_flight=batches - 1)
+    return Certificate(groups=tuple(device_groups(kv_cache_config)),
+                       usable=int(kv_cache_config.num_blocks) - 1,
+                       max_model_len=int(vllm_config.model_config.max_model_len),
+                       schedule=schedule, lookahead=lookahead_tokens(vllm_config),
+                       draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config))
+
+
+def _concurrency(cap: "Capacity", cert) -> None:
+    """Admission count and decode holding at ``max_model_len`` from ``cert``."""
+    mml = cap.max_model_len
+    cap.admit_blocks, cap.admit_by = cert.admission(mml)
+    held = dict(cert.holding(mml))
+    for g in cap.groups:
+        g.hold = held.get(g.index, 0)
+    cap.hold_blocks = sum(held.values())
+    cap.basis = ("vLLM's admission gate" if cert.gate is not None and cert.schedule.gate
+                 else "reserved-block model")
+
+
+def differs(cap: "Capacity") -> bool:
+    """Whether our concurrency and vLLM's differ by more than 10 % (vLLM's figure is a
+    fraction of a request: it is high only if its whole requests are more than ours)."""
+    v, t = cap.vllm_concurrency, cap.true_concurrency
+    if v is None or t == float("inf"):
+        return False
+    return t > 1.1 * v or (int(v) > t and v > 1.1 * t)
+
+
 def overstated(cap: "Capacity") -> bool:
     """Whether vLLM's concurrency figure overstates the spec-aware one by more than rounding
     (1 request and 1%), decided on the unrounded figures."""
@@ -238,7 +292,9 @@ def overstated(cap: "Capacity") -> bool:
         cap.vllm_concurrency - cap.true_concurrency > max(1.0, 0.01 * cap.vllm_concurrency))
 
 
-def compute(vllm_config, kv_cache_config) -> Capacity:
+def compute(vllm_config, kv_cache_config, cert=None) -> Capacity:
+    """The report; ``cert``: the certificate of vLLM's scheduler over these configs
+    (:func:`.certificate.of_scheduler`), else :func:`model_certificate`."""
     mml = int(vllm_config.model_config.max_model_len)
     sched = vllm_config.scheduler_config
     k = num_spec(vllm_config)
@@ -259,6 +315,12 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)
+    try:
+        _concurrency(cap, cert if cert is not None else model_certificate(vllm_config,
+                                                                          kv_cache_config))
+    except Exception as exc:       # noqa: BLE001 - no certificate: the peak-based figure
+        cap.admit_blocks = cap.hold_blocks = cap.per_request_spec
+        cap.admit_by = cap.basis = f"peak blocks/request (no certificate: {type(exc).__name__})"
     per_group = ", ".join(f"group {g.index}: {g.decode}" for g in cap.groups)
     if cap.has_mamba and cap.decodes_that_fit < cap.max_num_seqs:
         graphs = {True: "FULL decode CUDA graphs are captured for batch sizes that can never "
@@ -274,14 +336,31 @@ def compute(vllm_config, kv_cache_config) -> Capacity:
     # figure overstates the truth by more than rounding (1 request and 1%); else INFO only.
     if cap.vllm_concurrency is not None and (cap.true_concurrency < cap.max_num_seqs
                                              or overstated(cap)):
-        spec = (f"speculative decoding ({k} draft tokens/step, lookahead {la}) and "
+        spec = (f"with speculative decoding ({k} draft tokens/step, lookahead {la}) "
                 if k or la else "")
         cap.warnings.append(
             f"vLLM reports maximum concurrency {cap.vllm_concurrency:.2f}x for "
-            f"{mml} tokens per request; with {spec}the null block it is "
-            f"{cap.true_concurrency:.2f}x ({cap.per_request_spec} blocks per request of "
-            f"{cap.usable} usable).")
+            f"{mml} tokens per request; {spec}the scheduler runs "
+            f"{cap.true_concurrency} at once (admitting one takes {cap.admit_blocks} of "
+            f"{cap.usable} usable blocks, each running one holds {cap.hold_blocks}).")
     return cap
+
+
+def verdict_line(cap: Capacity) -> str | None:
+    """Which concurrency figure is right and why, when ours and vLLM's differ by > 10 %."""
+    if not differs(cap):
+        return None
+    v, t = cap.vllm_concurrency, cap.true_concurrency
+    charge = (f"it divides all {cap.num_blocks} blocks (the null block too) by "
+              f"{cap.num_blocks / v:.1f} per request")
+    if t > v:
+        return (f"  vLLM's {v:.2f}x is low: {charge}, a prefill peak, as if every request "
+                f"were prefilling at once; only the request being admitted needs that "
+                f"({cap.admit_blocks} free), one decoding at max_model_len holds "
+                f"{cap.hold_blocks}, so the scheduler runs {t}")
+    return (f"  vLLM's {v:.2f}x is high: {charge}; admitting one takes {cap.admit_blocks} of "
+            f"{cap.usable} usable and each running one holds {cap.hold_blocks}, so the "
+            f"scheduler runs {t}")
 
 
 def format_report(cap: Capacity) -> list[str]:
@@ -290,11 +369,19 @@ def format_report(cap: Capacity) -> list[str]:
              f"max_model_len={cap.max_model_len}, draft_tokens={cap.num_spec_tokens}, "
              f"lookahead={cap.lookahead}"]
     for g in cap.groups:
-        lines.append(f"  group {g.index} {g.kind} block_size={g.block_size}: blocks/request "
-                     f"at max_model_len plain={g.plain} spec={g.spec}; decode={g.decode}")
-    lines.append(f"  per request: plain={cap.per_request_plain} spec={cap.per_request_spec}; "
-                 f"true max concurrency={cap.true_concurrency:.2f}x "
-                 f"({int(cap.true_concurrency)} requests) vs vLLM {vllm_fig}")
+        lines.append(f"  group {g.index} {g.kind} block_size={g.block_size}: peak "
+                     f"blocks/request at max_model_len plain={g.plain} spec={g.spec}; held "
+                     f"decoding at max_model_len={g.hold}; short decode={g.decode}")
+    lines.append(f"  per request: peak plain={cap.per_request_plain} "
+                 f"spec={cap.per_request_spec}; blocks to admit one max_model_len request="
+                 f"{cap.admit_blocks} ({cap.basis}); blocks one request holds decoding at "
+                 f"max_model_len={cap.hold_blocks}")
+    lines.append(f"  true max concurrency={cap.true_concurrency} max_model_len requests at "
+                 f"once (1 + ({cap.usable} - {cap.admit_blocks}) // {cap.hold_blocks}) vs "
+                 f"vLLM {vllm_fig}")
+    verdict = verdict_line(cap)
+    if verdict:
+        lines.append(verdict)
     if cap.has_mamba:
         lines.append(f"  Mamba decode: {min(cap.decodes_that_fit, cap.max_num_seqs)} of "
                      f"max_num_seqs={cap.max_num_seqs} sequences fit "
@@ -312,9 +399,20 @@ def last_report() -> Capacity | None:
 
 
 @hookimpl
-def kvguard_startup_report(vllm_config, kv_cache_config):
+def kvguard_startup_report(vllm_config, kv_cache_config, scheduler):
+    """The report's lines; its warnings logged once. With ``scheduler`` (None: none built),
+    admission is counted by vLLM's own gate on it (:func:`.certificate.of_scheduler`)."""
+    cert = None
+    if scheduler is not None:
+        from vllm_kvguard.fixes.estimation import certificate
+
+        try:
+            cert = certificate.of_scheduler(scheduler)
+        except Exception as exc:     # noqa: BLE001 - the model's certificate instead
+            once(logging.INFO, ("capacity-gate", type(exc).__name__),
+                 "vllm-kvguard: capacity without vLLM's admission gate (%s)", exc)
     try:
-        cap = compute(vllm_config, kv_cache_config)
+        cap = compute(vllm_config, kv_cache_config, cert)
     except LookupError as exc:
         once(logging.INFO, ("capacity-unknown", str(exc)),
              "vllm-kvguard: no spec-aware capacity report: KV spec %s is not modelled", exc)

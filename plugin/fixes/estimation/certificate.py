@@ -81,7 +81,7 @@ class Certificate:
             out.append((i, 0 if r is None else r.physical))
         return out
 
-    def _decode(self, m: int) -> list[tuple[int, int]]:
+    def holding(self, m: int) -> list[tuple[int, int]]:
         """Held at the step computing token ``m`` with the ones before computed: the least
         any schedule holds there. Synchronous: ``m`` tokens, ``m - 1`` computed. The
         async scheduler keeps one step unsettled (frees lag by it) and, with drafts,
@@ -99,7 +99,7 @@ class Certificate:
         if got is None:
             if len(self._cache) > 8192:
                 self._cache.clear()
-            got = self._cache[key] = sum(b for _, b in self._decode(m))
+            got = self._cache[key] = sum(b for _, b in self.holding(m))
         return got
 
     def _candidates(self, n: int) -> set[int]:
@@ -288,7 +288,7 @@ class Certificate:
             total = "max_model_len"
         else:
             m = self.decode_peak(t)
-            total = f"decoding token {m}: " + self._parts(self._decode(m))
+            total = f"decoding token {m}: " + self._parts(self.holding(m))
         return prompt, total
 
     def limits(self) -> dict:

@@ -5,9 +5,11 @@
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, \\
                                "prompt_lookup_max": 3}' --num-gpu-blocks 20000
 
-* per KV-cache group: the spec-aware blocks one request holds at ``max_model_len`` and the
-  true maximum concurrency beside vLLM's own figure (:mod:`vllm_kvguard.fixes.estimation.capacity` on a
-  ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``);
+* per KV-cache group: the spec-aware peak blocks of one request (what admitting it takes)
+  and what it holds decoding at ``max_model_len``; the max_model_len requests vLLM's
+  scheduler runs at once beside vLLM's own figure (:mod:`vllm_kvguard.fixes.estimation.capacity`
+  on a ``KVCacheConfig`` built by vLLM's own ``get_kv_cache_configs``, admission counted by
+  vLLM's own gate on a scheduler built as EngineCore builds it);
 * the admission limits (:mod:`vllm_kvguard.fixes.estimation.certificate`), and a problem
   when a ``max_model_len`` request can never fit;
 * CUDA-graph coverage per draft length, the first uncovered shape and the setting that
@@ -161,7 +163,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
          keep: dict | None = None) -> dict:
     """The plan as a JSON-able dict. ``keep``, if given, receives the objects it was
     computed from: ``vllm_config``, ``specs`` (the runner's), ``kv_cache_config``."""
-    from vllm_kvguard.fixes.estimation import capacity, certificate
+    from vllm_kvguard.fixes.estimation import capacity
     from vllm_kvguard.tools.plan import layer_specs
     from vllm_kvguard.tools.plan.cudagraph import engine_args, finish_config
 
@@ -218,22 +220,31 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     vc, kvc, runner = built.vllm_config, built.result, chosen["runner"]
     if keep is not None:
         keep.update(vllm_config=vc, specs=built.specs, kv_cache_config=kvc)
-    cap = capacity.compute(vc, kvc)
+    cap, cert, why = capacity_of(vc, kvc)
     problems = [w.rstrip(".") for w in cap.warnings]
     if cap.vllm_concurrency is not None and not capacity.overstated(cap):
         problems = [p for p in problems if "concurrency" not in p]   # the same figure
+    limits = None
     try:
-        limits = certificate.from_configs(vc, kvc).limits()
-    except Exception as exc:    # vLLM's scheduler would not build from these configs here
-        limits = dict(prompt_limit=None, total_limit=None, prompt_group="", total_group="",
-                      statement=f"admission limits: not computed here (vLLM's scheduler: "
-                                f"{type(exc).__name__}: {str(exc)[:120]})")
+        limits = cert.limits() if cert is not None else None
+    except Exception as exc:    # vLLM's scheduler would not answer for these configs here
+        why = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if limits is None:
+        limits = dict(prompt_limit=None, total_limit=None, start_limit=None, prompt_group="",
+                      total_group="", start_group="", statement=f"admission limits: not computed here (vLLM's scheduler: "
+                                f"{why})")
     mml = int(vc.model_config.max_model_len)
     if limits["total_limit"] is not None and limits["total_limit"] < mml:
         problems.append(f"a max_model_len request can never complete: prompt + max_tokens "
                         f"<= {limits['total_limit']} tokens can ({limits['total_group']}). "
                         f"Lower --max-model-len to {limits['total_limit']} or give the KV "
                         f"cache more memory")
+    if limits["start_limit"] is not None and limits["start_limit"] < limits["prompt_limit"]:
+        problems.append(f"prompts over {limits['start_limit']} tokens are preempted as they "
+                        f"start decoding ({limits['start_group']}) and complete only with "
+                        f"prompt + max_tokens <= {limits['prompt_limit'] + 1}; the door "
+                        f"refuses longer ones. Give the KV cache more memory, lower "
+                        f"--max-num-batched-tokens, or turn prefix caching on")
     if limits["prompt_limit"] is not None and limits["prompt_limit"] < mml - 1:
         problems.append(f"prompts over {limits['prompt_limit']} tokens can never be admitted "
                         f"({limits['prompt_group']}); the door refuses them. Lower "
@@ -260,16 +271,31 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         "groups": [dict(index=g.index, kind=g.kind, block_size=g.block_size,
                         layers=len(kvc.kv_cache_groups[g.index].layer_names),
                         blocks_per_request_plain=g.plain, blocks_per_request_spec=g.spec,
-                        decode_blocks=g.decode) for g in cap.groups],
+                        decode_blocks=g.decode, held_decoding=g.hold) for g in cap.groups],
         "blocks_per_request_spec": cap.per_request_spec,
+        "blocks_to_admit": cap.admit_blocks, "admission_basis": cap.basis,
+        "blocks_held_decoding": cap.hold_blocks,
         "true_concurrency": cap.true_concurrency,
         "vllm_concurrency": vllm_conc,
         "decodes_that_fit": cap.decodes_that_fit if cap.has_mamba else None,
-        "admission": {k: limits[k] for k in ("prompt_limit", "total_limit",
-                                              "prompt_group", "total_group")},
+        "admission": {k: limits[k] for k in ("prompt_limit", "total_limit", "start_limit",
+                                              "prompt_group", "total_group", "start_group")},
         "capacity_lines": capacity.format_report(cap) + ["  " + limits["statement"]],
         **out, "problems": problems, "verdict": "OK" if not problems else "ACTION NEEDED",
     }
+
+
+def capacity_of(vc, kvc):
+    """(capacity, certificate or None, why not): the capacity report with admission counted
+    by vLLM's own gate on its scheduler, built from ``vc``/``kvc`` as EngineCore builds it;
+    where that scheduler does not build here, the reserved-block model's count."""
+    from vllm_kvguard.fixes.estimation import capacity, certificate
+
+    try:
+        cert, why = certificate.from_configs(vc, kvc), ""
+    except Exception as exc:        # noqa: BLE001 - stated in the limits line
+        cert, why = None, f"{type(exc).__name__}: {str(exc)[:120]}"
+    return capacity.compute(vc, kvc, cert), cert, why
 
 
 def _vllm_capacity(vllm_config, kv_cache_config) -> tuple[int | None, float | None]:
