@@ -78,7 +78,7 @@ class RealLayout:
 
     def scheduler(self):
         """A fresh real scheduler over this model's KV cache, cut to ``num_blocks``, built
-        as EngineCore builds it (:func:`vllm_kvguard.fixes.estimation.schedule.build_scheduler`)."""
+        as EngineCore builds it (``schedule.build_scheduler``)."""
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
 

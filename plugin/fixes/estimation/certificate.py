@@ -21,10 +21,12 @@ the scheduler does then decides whether it can ever run:
   time one token longer, so it completes only with a total of at most ``P + 1``.
 
 A request admitted below ``P`` that grows past it completes unless it is preempted; a
-preempted one can then never re-enter. The door refuses only ``prompt > P`` or
+preempted one can then never re-enter. The door refuses only ``prompt > P``,
 ``total > T``, or ``prompt > S`` with ``total > P + 1`` (refusing more would fail
-requests that complete whenever they are not preempted); :mod:`.liveness` ends a preempted one with :meth:`Certificate.never` when it
-is proven stuck. No prefix hit is assumed: a hit can be evicted before the request runs.
+requests that complete whenever they are not preempted); :mod:`.liveness` ends a
+preempted one with :meth:`Certificate.never` when it is proven stuck. No prefix hit is
+assumed (a hit can be evicted before the request runs), except, for ``S``, the blocks a
+request has just freed by its own preemption.
 """
 from __future__ import annotations
 

@@ -231,7 +231,8 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
         why = f"{type(exc).__name__}: {str(exc)[:120]}"
     if limits is None:
         limits = dict(prompt_limit=None, total_limit=None, start_limit=None, prompt_group="",
-                      total_group="", start_group="", statement=f"admission limits: not computed here (vLLM's scheduler: "
+                      total_group="", start_group="",
+                      statement=f"admission limits: not computed here (vLLM's scheduler: "
                                 f"{why})")
     mml = int(vc.model_config.max_model_len)
     if limits["total_limit"] is not None and limits["total_limit"] < mml:
