@@ -119,7 +119,7 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
         errors[-1] = errors[-1].replace("treating it as off", "vllm-kvguard stays off")
 
     patches: tuple[str, ...] = PATCH_NAMES
-    raw = env.get("KVGUARD_PATCHES")
+    raw = chosen = env.get("KVGUARD_PATCHES")
     if raw is not None:
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]
         off = [n[1:].strip() for n in names if n.startswith("-")]
@@ -143,6 +143,11 @@ def read_flags(env: Mapping[str, str] | None = None) -> Flags:
     elif raw and raw not in ON:
         errors.append(f"KVGUARD_ADMISSION={raw!r} is not valid; use one of 1, on, 0, off "
                       f"(unset means on); leaving admission as KVGUARD_PATCHES chose")
+    if chosen is not None and "admission" in patches and "warmup" not in patches:
+        errors.append(f"KVGUARD_PATCHES={chosen!r}: admission without warmup refuses nothing "
+                      f"(EngineCore publishes the door's limits as the warmup patch's "
+                      f"Scheduler.__init__ wrapper ends); add warmup, e.g. "
+                      f"KVGUARD_PATCHES=warmup,admission")
 
     faults = None
     raw = env.get("KVGUARD_FAULTS", "").strip()

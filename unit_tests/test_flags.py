@@ -87,6 +87,19 @@ def test_minus_name_turns_one_patch_off():
     assert "cudagraph" not in fl.patches and "bogus" in fl.errors[0]
 
 
+def test_admission_without_warmup_says_it_refuses_nothing():
+    """The door's limits come from the warmup patch's scheduler wrapper: chosen alone, the
+    door would admit everything; the warning names the flag and the setting that works."""
+    for raw in ("admission", "-warmup"):
+        fl = read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": raw})
+        assert "admission" in fl.patches and "warmup" not in fl.patches
+        assert any("admission without warmup refuses nothing" in e and
+                   "KVGUARD_PATCHES=warmup,admission" in e for e in fl.errors), fl.errors
+    assert not read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "warmup,admission"}).errors
+    assert not read_flags({"KVGUARD": "1", "KVGUARD_PATCHES": "-warmup",
+                           "KVGUARD_ADMISSION": "off"}).errors
+
+
 def test_faults_without_kvguard_say_they_do_nothing():
     fl = read_flags({"KVGUARD_FAULTS": "every=7"})
     (err,) = fl.errors
