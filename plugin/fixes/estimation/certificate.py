@@ -207,11 +207,11 @@ class Certificate:
         key = ("s", n)
         got = self._cache.get(key)
         if got is None:
-            got = (0, "nothing")
-            last = None
-            for last in self.chunks(n):
-                pass
-            if self.schedule.in_flight and last is not None:
+            got, last = (0, "nothing"), None
+            if self.schedule.in_flight:
+                for last in self.chunks(n):
+                    pass
+            if last is not None:
                 done = last[0]
                 per = self._hold(n + 1 + self.draft_tokens, done)
                 got = (sum(b for _, b in per),
