@@ -248,15 +248,13 @@ def in_flight_tokens(vllm_config) -> int:
 def model_certificate(vllm_config, kv_cache_config):
     """A :class:`~.certificate.Certificate` from the configs alone, for where no scheduler is
     at hand: no vLLM gate, so admission is the reserved-block model's largest prefill chunk."""
-    from vllm_kvguard.fixes.estimation.certificate import Certificate, Schedule
+    from vllm_kvguard.fixes.estimation.certificate import Certificate
+    from vllm_kvguard.fixes.estimation.schedule import Schedule, in_flight
 
     sched = vllm_config.scheduler_config
-    batches = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
-    if not getattr(sched, "async_scheduling", False):
-        batches = 1
     schedule = Schedule(budget=int(sched.max_num_batched_tokens), gate=False,
                         chunked=bool(getattr(sched, "enable_chunked_prefill", True)),
-                        in_flight=batches - 1)
+                        in_flight=in_flight(vllm_config))
     return Certificate(groups=tuple(device_groups(kv_cache_config)),
                        usable=int(kv_cache_config.num_blocks) - 1,
                        max_model_len=int(vllm_config.model_config.max_model_len),

@@ -102,6 +102,13 @@ def _threshold_when_alone() -> bool:
     return version is not None and version < Version("0.31")
 
 
+def in_flight(vllm_config) -> int:
+    """Steps the engine schedules before the previous one settles (async batch queue)."""
+    if not getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return 0
+    return int(getattr(vllm_config, "max_concurrent_batches", 1) or 1) - 1
+
+
 def schedule_of(scheduler) -> Schedule:
     """The lone-request schedule of ``scheduler`` (0.32 scheduler.py 608-613 budgets,
     643-649 the threshold off when alone, 1137-1166 chunking; 0.34 the same lines)."""
@@ -114,13 +121,10 @@ def schedule_of(scheduler) -> Schedule:
     threshold = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
     if 0 < threshold < budget and _threshold_when_alone():
         budget = threshold
-    batches = int(getattr(vc, "max_concurrent_batches", 1) or 1)
-    if not getattr(sc, "async_scheduling", False):
-        batches = 1
     return Schedule(budget=max(0, budget),
                     gate=bool(getattr(scheduler, "scheduler_reserve_full_isl", False)),
                     chunked=bool(getattr(sc, "enable_chunked_prefill", True)),
-                    in_flight=batches - 1, split=aligned_split(scheduler),
+                    in_flight=in_flight(vc), split=aligned_split(scheduler),
                     caching=bool(getattr(scheduler.cache_config, "enable_prefix_caching",
                                          False)))
 
