@@ -115,13 +115,16 @@ def kvguard_check_health(engine):
 # --------------------------------------------------------------------------- estimation
 @hookspec(firstresult=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,
-                            num_encoder_tokens, dcp, num_computed_tokens):
+                            num_encoder_tokens, dcp, num_computed_tokens, num_settled_tokens,
+                            checkpointing):
     """Blocks the allocator reserves for one request in the KV group of ``spec``.
 
     Return a :class:`vllm_kvguard.fixes.estimation.estimate.Reserved` ``(table, physical)``: block-table
     entries (nulls included) and distinct pool blocks held, after ``allocate_slots`` for a
-    request whose high-water mark is ``num_tokens`` (``num_computed_tokens`` processed
-    before the step), or None for a spec you don't model. Ours is ``trylast``, so a
+    request whose high-water mark is ``num_tokens`` (``num_computed_tokens`` computed
+    before the step, ``num_settled_tokens`` of them settled, None: all; ``checkpointing``:
+    the manager's Mamba prefill-checkpoint numbers or None), or None for a spec you don't
+    model. Ours is ``trylast``, so a
     third-party impl can answer for custom specs first.
     """
 

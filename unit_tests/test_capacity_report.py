@@ -44,11 +44,16 @@ def make_config(*, mml: int, k: int = 0, lookahead: int | None = None, max_num_s
 
 
 def drive_to_max_len(manager, rid: str, *, mml: int, prompt: int, step: int, k: int,
-                     groups: int) -> list[int]:
-    """Prefill ``prompt`` then decode ``step`` tokens at a time to ``mml``; peak per group."""
+                     groups: int, first: int = 0) -> list[int]:
+    """Prefill ``prompt`` (``first`` tokens, then the rest in one chunk, as a busy token
+    budget may cut it) then decode ``step`` tokens at a time to ``mml``; peak per group."""
     req = make_request(rid, prompt)
     peak = [0] * groups
-    computed, q = 0, prompt
+    computed, q = 0, first or prompt
+    if first:
+        assert allocate(manager, req, first, k=k) is not None
+        computed, q = first, prompt - first
+        req.num_computed_tokens = computed
     while computed < mml:
         q = min(q, mml - computed)
         assert allocate(manager, req, q, k=k) is not None
@@ -62,14 +67,17 @@ def drive_to_max_len(manager, rid: str, *, mml: int, prompt: int, step: int, k: 
 @pytest.mark.parametrize("mode,k,lookahead", [("none", 3, 0), ("none", 2, 2), ("align", 3, 3),
                                               ("none", 0, 0)])
 def test_per_request_blocks_match_the_allocator(mode, k, lookahead):
+    """Mamba align (Mamba2's prefill checkpoint) peaks on a last prefill chunk that starts
+    past the first block: its running state, the state it starts from, the checkpoint."""
     mml = 128
     specs = [spec_full(16), spec_mamba(16 if mode == "align" else mml, mode, k)]
     cfg = make_config(mml=mml, k=k, lookahead=lookahead, mode=mode)
     kvc = make_kv_cache_config(specs, num_blocks=200)
     cap = capacity.compute(cfg, kvc)
     manager = make_manager(specs, 200, mml)
-    peak = drive_to_max_len(manager, "r", mml=mml, prompt=40, step=1 + k, k=lookahead,
-                            groups=2)
+    prompt, first = (mml - 8, 16) if mode == "align" else (40, 0)
+    peak = drive_to_max_len(manager, "r", mml=mml, prompt=prompt, step=1 + k, k=lookahead,
+                            groups=2, first=first)
     assert [g.spec for g in cap.groups] == peak
     assert cap.per_request_spec == sum(peak)
     if k:
@@ -127,6 +135,39 @@ def test_windowed_peak_covers_every_prompt_length(kind, bs, mml, window, data):
     est = capacity.peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=chunk, lookahead=k)
     assert est >= peak
     assert est <= -(-mml // bs)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.integers(8, 160), st.integers(0, 3),
+       st.sampled_from([None, 1, 2]), st.sampled_from([None, 0]), st.booleans(), st.data())
+def test_mamba_align_peak_covers_every_prompt_length(bs, mml, nsb, checkpoint, retention,
+                                                     lagged, data):
+    """Mamba align: the report's peak covers the worst the allocator holds for any prompt
+    length and chunking, prefill checkpoints (dense and sparse retention) and the async
+    scheduler's step in flight included."""
+    from vllm_kvguard.fixes.estimation.schedule import checkpointing
+    from vllm_kvguard.testing.estimate_fixtures import lag_reason
+
+    lagged = lagged and lag_reason() is None
+    spec = spec_mamba(bs, "align", nsb, checkpoint)
+    chunk = max(bs, data.draw(st.integers(1, mml)) // bs * bs)
+    prompt = data.draw(st.integers(1, mml))
+    manager = make_manager([spec], 4 * mml + 64, mml, retention=retention)
+    req = make_request("r", prompt)
+    computed, previous, peak = 0, 0, 0
+    while computed < mml:
+        q = min(chunk, prompt - computed) if computed < prompt else 1 + nsb
+        q = min(q, mml - computed)
+        req.num_in_flight_tokens = previous if lagged else 0
+        assert allocate(manager, req, q) is not None
+        peak = max(peak, held(manager, "r").physical)
+        computed, previous = computed + q, q
+        req.num_computed_tokens = computed
+    est = capacity.peak_blocks(spec, max_model_len=mml, step=1 + nsb, chunk=chunk,
+                               lookahead=0, lagged=lagged,
+                               checkpointing=checkpointing(manager).get(0))
+    assert peak <= est <= nsb + 5
 
 
 def test_mamba_full_decode_warning_names_the_numbers(kvguard_log):

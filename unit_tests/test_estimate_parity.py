@@ -11,6 +11,8 @@ skip with a reason where a spec type does not exist in the installed vLLM.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -18,10 +20,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from vllm_kvguard.fixes.estimation.estimate import lookahead_tokens, reserved_blocks  # noqa: E402
-from vllm_kvguard.testing.estimate_fixtures import (allocate, held, make_manager,  # noqa: E402
-                                                    make_request, spec_chunked, spec_class,
-                                                    spec_cross, spec_full, spec_mamba,
-                                                    spec_swa)
+from vllm_kvguard.fixes.estimation.schedule import checkpointing  # noqa: E402
+from vllm_kvguard.testing.estimate_fixtures import (allocate, held, lag_reason,  # noqa: E402
+                                                    make_manager, make_request, spec_chunked,
+                                                    spec_class, spec_cross, spec_full,
+                                                    spec_mamba, spec_swa)
 from vllm_kvguard.testing.kv_fixtures import attention_spec, used_blocks  # noqa: E402
 
 EXAMPLES = 300
@@ -41,13 +44,23 @@ def trajectories(draw, *, max_len=96, spec_steps=True, align=False):
     return dict(bs=bs, mml=mml, k=k, prompt=prompt, chunk=chunk, steps=steps)
 
 
-def run_parity(make_spec, t, *, dcp=1, lookahead=True, encoder=0):
-    """Drive one request and compare model and allocator after every allocate_slots."""
+def run_parity(make_spec, t, *, dcp=1, lookahead=True, encoder=0, lag=False, hash_block=None,
+               retention=None):
+    """Drive one request and compare model and allocator after every allocate_slots.
+    ``lag``: as under the async scheduler, the previous step is still in flight
+    (``num_in_flight_tokens``) when the next is allocated; ``hash_block``: the block
+    pool's hash block size, a divisor of the block size (default: the block size);
+    ``retention``: the prefix-cache retention interval (0: sparse, the engine default)."""
     spec = make_spec(t["bs"])
     mml, k = t["mml"], (t["k"] if lookahead else 0)
-    manager = make_manager([spec], num_blocks=4 * mml + 64, max_model_len=mml, dcp=dcp)
+    hbs = math.gcd(hash_block, t["bs"]) if hash_block else None
+    manager = make_manager([spec], num_blocks=4 * mml + 64, max_model_len=mml, dcp=dcp,
+                           hash_block_size=hbs, retention=retention)
+    ckpt = checkpointing(manager).get(0)
+    if ckpt is not None:        # allocate_slots: max(prompt, num_tokens - 1)
+        ckpt = ckpt._replace(prefill_end=t["prompt"])
     req = make_request("r", t["prompt"])
-    computed = 0
+    computed, previous = 0, 0
     chunks = []
     left = t["prompt"]
     while left:
@@ -57,16 +70,20 @@ def run_parity(make_spec, t, *, dcp=1, lookahead=True, encoder=0):
         q = min(q, mml - computed)
         if q <= 0:
             break
+        req.num_in_flight_tokens = previous if lag else 0
         out = allocate(manager, req, q, k=k, encoder=encoder)
         assert out is not None, "pool sized generously: allocation must succeed"
         want = reserved_blocks(spec, computed + q, num_lookahead_tokens=k, max_model_len=mml,
                                num_encoder_tokens=encoder, dcp=dcp,
-                               num_computed_tokens=computed)
+                               num_computed_tokens=computed,
+                               num_settled_tokens=computed - req.num_in_flight_tokens,
+                               checkpointing=ckpt)
         got = held(manager, "r")
         assert want == got, (f"model {want} != allocator {got} at N={computed + q}, "
-                             f"C={computed}, {t}, dcp={dcp}")
+                             f"C={computed}, in flight {req.num_in_flight_tokens}, {t}, "
+                             f"dcp={dcp}, {ckpt}")
         assert used_blocks(manager) == got.physical
-        computed += q
+        computed, previous = computed + q, q
         req.num_computed_tokens = computed
 
 
@@ -74,41 +91,51 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))
 
 
+LAG = st.booleans()   # the async scheduler's previous step still in flight
+
+
 @SETTINGS
-@given(trajectories(), st.sampled_from([1, 2, 4]))
-def test_full_attention(t, dcp):
-    run_parity(spec_full, t, dcp=dcp)
+@given(trajectories(), st.sampled_from([1, 2, 4]), LAG)
+def test_full_attention(t, dcp, lag):
+    run_parity(spec_full, t, dcp=dcp, lag=lag)
 
 
 DCP = st.sampled_from([1, 1, 2])   # DCP > 1 shards some specs' blocks, per version
 
 
 @SETTINGS
-@given(trajectories(), st.integers(1, 40), DCP)
-def test_sliding_window(t, window, dcp):
+@given(trajectories(), st.integers(1, 40), DCP, LAG)
+def test_sliding_window(t, window, dcp, lag):
     spec_class("SlidingWindowSpec")
-    run_parity(lambda bs: spec_swa(bs, window), t, dcp=dcp)
+    run_parity(lambda bs: spec_swa(bs, window), t, dcp=dcp, lag=lag)
 
 
 @SETTINGS
-@given(trajectories(), st.integers(1, 40), DCP)
-def test_chunked_local(t, chunk, dcp):
+@given(trajectories(), st.integers(1, 40), DCP, LAG)
+def test_chunked_local(t, chunk, dcp, lag):
     spec_class("ChunkedLocalAttentionSpec")
-    run_parity(lambda bs: spec_chunked(bs, chunk), t, dcp=dcp)
+    run_parity(lambda bs: spec_chunked(bs, chunk), t, dcp=dcp, lag=lag)
 
 
 @SETTINGS
-@given(trajectories(), st.integers(0, 4), st.sampled_from(["none", "all"]), DCP)
-def test_mamba_none_and_all(t, nsb, mode, dcp):
+@given(trajectories(), st.integers(0, 4), st.sampled_from(["none", "all"]), DCP, LAG)
+def test_mamba_none_and_all(t, nsb, mode, dcp, lag):
     spec_class("MambaSpec")
-    run_parity(lambda bs: spec_mamba(bs, mode, nsb), t, dcp=dcp)
+    run_parity(lambda bs: spec_mamba(bs, mode, nsb), t, dcp=dcp, lag=lag)
+
+
+#: a Mamba align spec's prefill checkpoint: none (Mamba1), alignment 1 (Mamba2), a grid
+CHECKPOINT = st.sampled_from([None, 1, 1, 2, 4])
 
 
 @SETTINGS
-@given(trajectories(align=True), st.integers(0, 4), DCP)
-def test_mamba_align(t, nsb, dcp):
+@given(trajectories(align=True), st.integers(0, 4), DCP, LAG, CHECKPOINT,
+       st.sampled_from([None, 1, 2, 4]), st.sampled_from([None, 0]))
+def test_mamba_align(t, nsb, dcp, lag, checkpoint, hash_block, retention):
     spec_class("MambaSpec")
-    run_parity(lambda bs: spec_mamba(bs, "align", nsb), t, dcp=dcp)
+    lag = lag and lag_reason() is None
+    run_parity(lambda bs: spec_mamba(bs, "align", nsb, checkpoint), t, dcp=dcp, lag=lag,
+               hash_block=hash_block, retention=retention)
 
 
 @SETTINGS
@@ -119,14 +146,16 @@ def test_cross_attention(t, encoder, dcp):
 
 
 def test_hybrid_pool_is_the_sum_of_groups():
-    """Two groups share one pool: what leaves the pool is the sum of the model's physical."""
+    """Two groups share one pool: what leaves the pool is the sum of the model's physical
+    (Mamba2's align group: the state, its prefill checkpoint and 3 speculative blocks)."""
     specs = [spec_full(16), spec_mamba(16, "align", 3)]
+    checkpoint = int(getattr(specs[1], "num_prefill_checkpoint_blocks", 0))   # 0.32+
     manager = make_manager(specs, num_blocks=64, max_model_len=256)
     req = make_request("r", 40)
     allocate(manager, req, 40, k=3)
     want = [reserved_blocks(s, 40, num_lookahead_tokens=3, max_model_len=256) for s in specs]
-    assert [held(manager, "r", g) for g in range(2)] == want == [(3, 3), (6, 4)]
-    assert used_blocks(manager) == 7
+    assert [held(manager, "r", g) for g in range(2)] == want == [(3, 3), (6, 4 + checkpoint)]
+    assert used_blocks(manager) == 7 + checkpoint
 
 
 def test_lookahead_capped_by_max_model_len():

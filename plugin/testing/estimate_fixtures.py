@@ -40,22 +40,39 @@ def spec_cross(block_size: int):
     return attention_spec(block_size, "CrossAttentionSpec")
 
 
-def spec_mamba(block_size: int, mode: str = "none", nsb: int = 0):
+def spec_mamba(block_size: int, mode: str = "none", nsb: int = 0, checkpoint: int | None = 1):
     spec_class("MambaSpec")
-    return mamba_spec(block_size, mode, nsb)
+    return mamba_spec(block_size, mode, nsb, checkpoint)
+
+
+def lag_reason() -> str | None:
+    """Why a Mamba align step allocated with the previous one in flight is not modelled
+    on this vLLM, or None: vLLM 0.27.1 frees a request's old state blocks only down to the
+    first null entry (its ``_remove_blocks_in_range``), so under async scheduling one
+    state block per prefill chunk can stay until the request ends; 0.32+ retires them
+    (``MambaManager._remove_blocks_in_range``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    if "_remove_blocks_in_range" in vars(MambaManager):
+        return None
+    return ("this vLLM keeps a Mamba align state block behind every null entry while a step "
+            "is in flight (retired from 0.32)")
 
 
 def make_manager(specs, num_blocks: int, max_model_len: int, *, dcp: int = 1,
-                 enable_caching: bool = False):
-    """A real KVCacheManager over ``specs`` (one group each), with a DCP size and the
-    scheduler's block granularity (LCM of the groups'), which kv_fixtures.make_manager
+                 enable_caching: bool = False, hash_block_size: int | None = None,
+                 retention: int | None = None):
+    """A real KVCacheManager over ``specs`` (one group each), with a DCP size, the
+    scheduler's block granularity (LCM of the groups'), a hash block size (default: that
+    granularity) and a prefix-cache retention interval, which kv_fixtures.make_manager
     does not take."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     block_size = math.lcm(*(s.block_size for s in specs))
-    kwargs = dict(kv_cache_config=kv_cache_config(specs, num_blocks),
+    kwargs = dict(kv_cache_config=kv_cache_config(specs, num_blocks, retention),
                   max_model_len=max_model_len, scheduler_block_size=block_size,
-                  hash_block_size=block_size, max_in_flight_tokens=max_model_len,
+                  hash_block_size=hash_block_size or block_size,
+                  max_in_flight_tokens=max_model_len,
                   enable_caching=enable_caching, dcp_world_size=dcp)
     return KVCacheManager(**accepted(KVCacheManager.__init__, kwargs))
 

@@ -31,12 +31,18 @@ from vllm_kvguard.tools.tiny_models import make_scheduler, make_vllm_config  # n
 
 
 # ------------------------------------------------------------------------- specs & managers
-def mamba_spec(block_size: int = BLOCK_SIZE, mode: str = "align", nsb: int = 0):
+def mamba_spec(block_size: int = BLOCK_SIZE, mode: str = "align", nsb: int = 0,
+               checkpoint: int | None = 1):
+    """A ``MambaSpec``. ``checkpoint``: the prefill-checkpoint alignment vLLM 0.32+'s
+    Mamba2 and GDN layers set (``num_prefill_checkpoint_blocks=1``; Mamba2: alignment 1),
+    None for none (Mamba1); ignored where the field does not exist (0.27.1)."""
     from vllm.v1 import kv_cache_interface as kci
 
+    extra = {} if checkpoint is None else dict(
+        num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=checkpoint)
     return kci.MambaSpec(**accepted(kci.MambaSpec, dict(
         block_size=block_size, shapes=((4, 8),), dtypes=(torch.bfloat16,),
-        mamba_cache_mode=mode, num_speculative_blocks=nsb)))
+        mamba_cache_mode=mode, num_speculative_blocks=nsb, **extra)))
 
 
 def make_manager(specs, *, num_blocks: int, max_model_len: int = 1024,

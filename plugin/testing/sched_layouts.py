@@ -173,7 +173,9 @@ def build(layout: Layout):
     if "mamba" in layout.groups:            # what the model's hybrid config would have set
         config.cache_config.mamba_cache_mode = layout.mamba_mode
     config.cache_config.enable_prefix_caching = layout.prefix_caching
-    kcc = kf.kv_cache_config(specs(layout), layout.num_blocks)
+    # the retention interval as vLLM's KV-cache planning copies it from the cache config
+    kcc = kf.kv_cache_config(specs(layout), layout.num_blocks, getattr(
+        config.cache_config, "prefix_cache_retention_interval", None))
     try:
         cls = AsyncScheduler if layout.async_sched else Scheduler
         return cls(**kf.accepted(cls.__init__, dict(

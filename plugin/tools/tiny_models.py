@@ -118,12 +118,15 @@ def attention_spec(block_size: int = BLOCK_SIZE, kind: str = "FullAttentionSpec"
                **extra)
 
 
-def kv_cache_config(specs, num_blocks: int):
+def kv_cache_config(specs, num_blocks: int, retention: int | None = None):
+    """One KV-cache group per spec; ``retention``: ``prefix_cache_retention_interval``
+    (None: dense, vLLM's ``KVCacheConfig`` default; 0: sparse, its engine default)."""
     from vllm.v1 import kv_cache_interface as kci
 
     groups = [kci.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
     return kci.KVCacheConfig(**accepted(kci.KVCacheConfig, dict(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)))
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention)))
 
 
 _configs: dict = {}

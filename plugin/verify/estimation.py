@@ -7,7 +7,8 @@
   the scheduler's process on a copy of the engine's own config, before the engine's
   limits are published (no config is built for it there); standalone on the tiny Llama's;
 * warmup: the reserved-block model equals the blocks the allocator holds, step by step,
-  for full attention with lookahead, sliding window and Mamba.
+  for full attention with lookahead, sliding window, Mamba and Mamba align (its prefill
+  checkpoint blocks), each step allocated with the previous one in flight.
 """
 from __future__ import annotations
 
@@ -99,29 +100,36 @@ def admission(vllm_config=None) -> None:
 
 def warmup() -> None:
     from vllm_kvguard.fixes.estimation.estimate import Reserved, reserved_blocks
+    from vllm_kvguard.fixes.estimation.schedule import checkpointing
     from vllm_kvguard.testing import kv_fixtures as kf
 
     cases = [(kf.attention_spec(), 2, "full attention")]
     for spec, name in ((_optional(lambda: kf.attention_spec(
             kind="SlidingWindowSpec", sliding_window=32)), "sliding window"),
-            (_optional(lambda: kf.mamba_spec(mode="none")), "Mamba")):
+            (_optional(lambda: kf.mamba_spec(mode="none")), "Mamba"),
+            (_optional(lambda: kf.mamba_spec(mode="align")), "Mamba align")):
         if spec is not None:
             cases.append((spec, 0, name))
     mml = 256
     for spec, k, name in cases:
         manager = kf.make_manager([spec], num_blocks=64, max_model_len=mml,
                                   enable_caching=False)
+        ckpt = checkpointing(manager).get(0)
         req = kf.make_request("kvguard-selftest", range(3, 53), max_tokens=1 << 10)
-        computed = 0
+        computed, previous = 0, 0
         for step in (16, 16, 18, 1, k + 1, 1, k + 1):
+            # as the async scheduler allocates it: the previous step still in flight
+            req.num_in_flight_tokens = previous
             if manager.allocate_slots(req, step, num_lookahead_tokens=k) is None:
                 raise SelfTestFailed(f"{name}: no room in a pool sized for the test")
             want = reserved_blocks(spec, computed + step, num_lookahead_tokens=k,
-                                   max_model_len=mml, num_computed_tokens=computed)
+                                   max_model_len=mml, num_computed_tokens=computed,
+                                   num_settled_tokens=computed - previous,
+                                   checkpointing=ckpt)
             blocks = kf.groups(manager)[0].req_to_blocks.get(req.request_id, [])
             got = Reserved(len(blocks), len([b for b in blocks if not b.is_null]))
             if want != got:
                 raise SelfTestFailed(f"{name}: model {tuple(want) if want else None} != "
                                      f"allocator {tuple(got)} at {computed + step} tokens")
-            computed += step
+            computed, previous = computed + step, step
             req.num_computed_tokens = computed

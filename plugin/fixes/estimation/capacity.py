@@ -35,6 +35,7 @@ from vllm_kvguard.fixes.estimation import estimate as _estimate
 from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups, lookahead_tokens,
                                          manager_block_size, num_spec, reserved,
                                          reserved_blocks)
+from vllm_kvguard.fixes.estimation.schedule import checkpointing_of_configs, in_flight
 from vllm_kvguard.hookspecs import hookimpl
 from vllm_kvguard.log import once
 from vllm_kvguard.report import count
@@ -95,10 +96,14 @@ class Capacity:
 
 
 def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: int,
-                encoder_len: int = 0, dcp: int = 1, estimate=None) -> int:
+                encoder_len: int = 0, dcp: int = 1, estimate=None, lagged: bool = False,
+                checkpointing=None) -> int:
     """The most blocks one request holds in the group on its way to ``max_model_len``, over
     every prompt length: prefill in ``chunk``-token chunks, then decode steps of ``step``.
-    ``estimate`` is the reserved-block function (default: :func:`_estimator`).
+    ``estimate`` is the reserved-block function (default: :func:`_estimator`); ``lagged``:
+    each step is allocated while the one before it is in flight (async scheduling; the
+    Mamba align groups: a windowed group's lag is its longer chunk, see
+    :func:`_group_figures`); ``checkpointing``: the group's Mamba prefill-checkpoint numbers.
 
     What a step holds depends on where it starts (``C``) only through ``C`` modulo the
     block size and, for sliding-window / chunked-local groups, the window; so scanning one
@@ -108,16 +113,21 @@ def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: i
     window = max(int(getattr(spec, "sliding_window", 0) or 0),
                  int(getattr(spec, "attention_chunk_size", 0) or 0))
     period = min(mml, (math.lcm(window, bsz) if window else bsz) + 2 * bsz + step)
-    points = {(min(chunk, mml), 0), (mml, max(0, mml - step))}
-    points.update((min(c + step, mml), c) for c in range(max(0, mml - step - period), mml))
+    lag_chunk, lag_step = (chunk, step) if lagged else (0, 0)
+    # (tokens, computed, settled): prefill chunks, then decode steps
+    points = {(min(chunk, mml), 0, 0), (mml, max(0, mml - step), max(0, mml - step - lag_step))}
+    points.update((min(c + step, mml), c, max(0, c - lag_step))
+                  for c in range(max(0, mml - step - period), mml))
     top = max(0, mml - chunk)
-    points.update((min(c + chunk, mml), c)
+    points.update((min(c + chunk, mml), c, max(0, c - lag_chunk))
                   for c in range(max(0, top - period), min(mml, top + 2 * bsz + 1)))
     fn = estimate or _estimator()
     best = 0
-    for n, c in points:
+    for n, c, settled in points:
+        ckpt = None if checkpointing is None else checkpointing._replace(prefill_end=n)
         r = fn(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
-               num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c)
+               num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c,
+               num_settled_tokens=settled, checkpointing=ckpt)
         if r is None:
             raise LookupError(type(spec).__name__)
         best = max(best, r.physical)
@@ -181,24 +191,31 @@ def _spec_key(spec):
 
 
 def _group_figures(specs, *, mml: int, k: int, la: int, dcp: int, chunk: int, enc: int,
-                   estimate, inflight: int = 0) -> list[GroupCapacity]:
+                   estimate, inflight: int = 0, lagged: bool = False,
+                   checkpoints: tuple = ()) -> list[GroupCapacity]:
     """Per non-host group: (index, spec) -> :class:`GroupCapacity` (the costly part).
     Windowed groups (sliding window, chunked local) free blocks on the processed-token
     basis, so they hold the ``inflight`` tokens of every batch not yet settled: their
-    prefill steps are ``inflight`` tokens long, as vLLM reserves them."""
+    prefill steps are ``inflight`` tokens long, as vLLM reserves them. Mamba align groups
+    keep the state blocks of a step in flight (``lagged``: async scheduling) and take
+    prefill checkpoint blocks (``checkpoints``: (group index, numbers))."""
     out = []
+    ckpts = dict(checkpoints)
     for i, spec in specs:
         windowed = bool(getattr(spec, "sliding_window", None)
                         or getattr(spec, "attention_chunk_size", None))
         step_chunk = max(chunk, inflight) if windowed else chunk
         no_spec = _without_spec_blocks(spec)
+        mamba = dict(lagged=lagged and not windowed, checkpointing=ckpts.get(i))
         with_spec = peak_blocks(spec, max_model_len=mml, step=1 + k, chunk=step_chunk,
-                                lookahead=la, encoder_len=enc, dcp=dcp, estimate=estimate)
+                                lookahead=la, encoder_len=enc, dcp=dcp, estimate=estimate,
+                                **mamba)
         if k == 0 and la == 0 and no_spec is spec:   # the same pass: no speculation at all
             plain = with_spec
         else:
             plain = peak_blocks(no_spec, max_model_len=mml, step=1, chunk=step_chunk,
-                                lookahead=0, encoder_len=enc, dcp=dcp, estimate=estimate)
+                                lookahead=0, encoder_len=enc, dcp=dcp, estimate=estimate,
+                                **mamba)
         is_mamba = hasattr(spec, "mamba_cache_mode")
         bsz = manager_block_size(spec, dcp)
         # A short decoding sequence: attention at its smallest; Mamba at its worst step
@@ -249,7 +266,7 @@ def model_certificate(vllm_config, kv_cache_config):
     """A :class:`~.certificate.Certificate` from the configs alone, for where no scheduler is
     at hand: no vLLM gate, so admission is the reserved-block model's largest prefill chunk."""
     from vllm_kvguard.fixes.estimation.certificate import Certificate
-    from vllm_kvguard.fixes.estimation.schedule import Schedule, in_flight
+    from vllm_kvguard.fixes.estimation.schedule import Schedule
 
     sched = vllm_config.scheduler_config
     schedule = Schedule(budget=int(sched.max_num_batched_tokens), gate=False,
@@ -259,7 +276,19 @@ def model_certificate(vllm_config, kv_cache_config):
                        usable=int(kv_cache_config.num_blocks) - 1,
                        max_model_len=int(vllm_config.model_config.max_model_len),
                        schedule=schedule, lookahead=lookahead_tokens(vllm_config),
-                       draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config))
+                       draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config),
+                       checkpoints=_checkpoints(vllm_config, kv_cache_config))
+
+
+def _checkpoints(vllm_config, kv_cache_config, cert=None) -> dict:
+    """The Mamba prefill-checkpoint numbers: ``cert``'s (read from vLLM's scheduler), else
+    from the configs; none where those cannot say (the model's default, an upper bound)."""
+    if cert is not None:
+        return cert.checkpoints
+    try:
+        return checkpointing_of_configs(vllm_config, kv_cache_config)
+    except Exception:               # noqa: BLE001 - configs vLLM cannot resolve sizes for
+        return {}
 
 
 def _concurrency(cap: "Capacity", cert) -> None:
@@ -308,8 +337,10 @@ def compute(vllm_config, kv_cache_config, cert=None) -> Capacity:
     specs = device_groups(kv_cache_config)
     inflight = in_flight_tokens(vllm_config) if getattr(
         sched, "enable_chunked_prefill", True) else mml
+    checkpoints = tuple(sorted(_checkpoints(vllm_config, kv_cache_config, cert).items()))
     cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc,
-                         inflight=inflight)
+                         inflight=inflight, lagged=in_flight(vllm_config) > 0,
+                         checkpoints=checkpoints)
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)

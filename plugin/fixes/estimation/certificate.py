@@ -38,7 +38,8 @@ from vllm_kvguard.fixes.estimation.estimate import (dcp_size, device_groups,
                                                     lookahead_tokens, manager_block_size,
                                                     num_spec, reserved_blocks)
 from vllm_kvguard.fixes.estimation.schedule import (Schedule, build_scheduler,
-                                                    gate_counter, schedule_of)
+                                                    checkpointing, gate_counter,
+                                                    schedule_of)
 from vllm_kvguard.hookspecs import hookimpl
 
 
@@ -61,7 +62,8 @@ def describe(spec) -> str:
 @dataclass(frozen=True)
 class Certificate:
     """``groups``: (group index, spec); ``usable``: blocks one request can ever hold;
-    ``gate``: :func:`gate_counter` (None: this vLLM admits by the first chunk only)."""
+    ``gate``: :func:`gate_counter` (None: this vLLM admits by the first chunk only);
+    ``checkpoints``: {group index: its managers' Mamba prefill-checkpoint numbers}."""
 
     groups: tuple
     usable: int
@@ -71,15 +73,23 @@ class Certificate:
     draft_tokens: int = 0
     dcp: int = 1
     gate: object = field(default=None, compare=False, repr=False)
+    checkpoints: dict = field(default_factory=dict, compare=False, repr=False)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------- holdings, per group
-    def _hold(self, tokens: int, computed: int) -> list[tuple[int, int]]:
+    def _hold(self, tokens: int, start: int, settled: int | None = None,
+              prefill_end: int = 0) -> list[tuple[int, int]]:
+        """Per group, held after the step ``[start, tokens)`` with ``settled`` tokens
+        settled (default: all); ``prefill_end``: the request's (Mamba checkpoints)."""
         out = []
         for i, spec in self.groups:
+            ckpt = self.checkpoints.get(i)
+            if ckpt is not None and ckpt.sparse:
+                ckpt = ckpt._replace(prefill_end=prefill_end)
             r = reserved_blocks(spec, tokens, num_lookahead_tokens=self.lookahead,
                                 max_model_len=self.max_model_len, dcp=self.dcp,
-                                num_computed_tokens=computed)
+                                num_computed_tokens=start, num_settled_tokens=settled,
+                                checkpointing=ckpt)
             out.append((i, 0 if r is None else r.physical))
         return out
 
@@ -92,8 +102,8 @@ class Certificate:
         ``m + 2k`` tokens, ``m - 2`` processed (matched on the scheduler fuzz)."""
         k = self.draft_tokens if self.schedule.in_flight else 0
         if k:
-            return self._hold(m + 2 * k, max(0, m - 2))
-        return self._hold(m, max(0, m - 1 - self.schedule.in_flight))
+            return self._hold(m + 2 * k, max(0, m + k - 1), max(0, m - 2))
+        return self._hold(m, max(0, m - 1), max(0, m - 1 - self.schedule.in_flight))
 
     def _decode_total(self, m: int) -> int:
         key = ("d", m)
@@ -185,8 +195,8 @@ class Certificate:
             # the async scheduler's unsettled chunk delays frees (``allocate_slots``
             # frees on ``num_computed_tokens - num_in_flight_tokens``)
             lag = prev if self.schedule.in_flight else 0
-            computed = max(0, done - lag)
-            per = self._hold(done + c, computed)
+            per = self._hold(done + c, done, max(0, done - lag),
+                             n if prefill_end is None else max(prefill_end, n - 1))
             total = sum(b for _, b in per)
             if total > best[0]:
                 best = (total, f"prefill chunk {done}-{done + c}: " + self._parts(per))
@@ -213,7 +223,7 @@ class Certificate:
                     pass
             if last is not None:
                 done = last[0]
-                per = self._hold(n + 1 + self.draft_tokens, done)
+                per = self._hold(n + 1 + self.draft_tokens, n, done, n)
                 got = (sum(b for _, b in per),
                        f"first decode step after prefill chunk {done}-{n}: "
                        + self._parts(per))
@@ -333,8 +343,8 @@ class Certificate:
         # the least any way of computing the sequence holds: token m with all before it
         # computed, no drafts, nothing unsettled (a lower bound in every mode)
         peak = max(self._candidates(n),
-                   key=lambda m: (sum(b for _, b in self._hold(m, m - 1)), m))
-        per = self._hold(peak, peak - 1)
+                   key=lambda m: (sum(b for _, b in self._hold(m, m - 1, None, n)), m))
+        per = self._hold(peak, peak - 1, None, n)
         if sum(b for _, b in per) > self.usable:
             return (f"computing token {peak} holds at least {sum(b for _, b in per)} blocks "
                     f"({self._parts(per)})")
@@ -363,7 +373,8 @@ def from_scheduler(scheduler) -> Certificate:
                        max_model_len=int(getattr(scheduler, "max_model_len", 0)
                                          or vc.model_config.max_model_len),
                        schedule=schedule_of(scheduler), lookahead=lookahead_tokens(vc),
-                       draft_tokens=num_spec(vc), dcp=dcp_size(vc), gate=gate)
+                       draft_tokens=num_spec(vc), dcp=dcp_size(vc), gate=gate,
+                       checkpoints=checkpointing(scheduler.kv_cache_manager))
 
 
 _by_scheduler: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -21,6 +21,23 @@ class Reserved(NamedTuple):
     physical: int   # distinct non-null pool blocks the request holds
 
 
+class Checkpointing(NamedTuple):
+    """What decides, besides the spec and the step, whether a Mamba align step reserves a
+    prefill checkpoint block (vLLM 0.32+ ``MambaManager._needs_internal_checkpoint``; the
+    Mamba2 and GDN layers' specs have one): the block pool's ``hash_block_size`` and
+    ``num_hash_lookahead_tokens``, the manager's ``cache_hit_alignment_tokens`` and
+    ``drop_eagle_checkpoint_block``; under sparse retention (the coordinator's
+    ``retention_interval`` 0, vLLM's engine default) only the step reaching the request's
+    prefill end (``max(prompt, num_tokens - 1)``) takes one: ``prefill_end`` (left 0, every
+    step may: an upper bound)."""
+    hash_block_size: int
+    alignment_tokens: int
+    hash_lookahead: int = 0
+    drop_eagle: bool = False
+    sparse: bool = False
+    prefill_end: int = 0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -57,7 +74,8 @@ def manager_block_size(spec, dcp: int = 1) -> int:
 
 def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
                     max_model_len: int, num_encoder_tokens: int = 0, dcp: int = 1,
-                    num_computed_tokens: int = 0,
+                    num_computed_tokens: int = 0, num_settled_tokens: int | None = None,
+                    checkpointing: Checkpointing | None = None,
                     max_blocks_per_req: int | None = None) -> Reserved | None:
     """Blocks the allocator reserves for one request in the group of ``spec``.
 
@@ -71,7 +89,8 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
     Mamba none / all            ``cdiv(min(N + k, max_model_len) + bs * nsb, B)``;
                                 ``(C - 1) // B`` leading nulls
     Mamba align                 ``cdiv(N, bs) + nsb`` entries, lookahead-free, uncapped;
-                                ``1 + nsb`` physical, ``2 + nsb`` entering a new block
+                                ``nsb`` + the state blocks at or above the settled one
+                                (:func:`_align_states`)
     cross-attention             ``cdiv(encoder_len, B)``, static
     circular buffer             one ring block
     ==========================  ==========================================================
@@ -80,19 +99,26 @@ def reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int = 0,
     included, at most ``max_model_len``); ``num_lookahead_tokens``: the scheduler's
     lookahead (``VllmConfig.num_lookahead_tokens``: k for EAGLE/draft models, 0 for
     ngram); ``num_encoder_tokens``: encoder length (cross-attention); ``dcp``: decode
-    context parallel size; ``num_computed_tokens``: tokens processed before this step;
-    ``max_blocks_per_req``: the block-table row length vLLM 0.34+ caps attention tables at
-    (:func:`row_cap`; it never binds when it is taken at the same DCP size).
+    context parallel size; ``num_computed_tokens``: tokens computed before this step (where
+    its query starts); ``num_settled_tokens``: of those, the ones whose step has settled
+    (vLLM frees on ``num_computed_tokens - num_in_flight_tokens``; default: all; the
+    async scheduler's previous step is the one in flight); ``checkpointing``: the
+    manager's numbers for a Mamba align prefill checkpoint (default: hash block and
+    alignment equal to the spec's block size); ``max_blocks_per_req``: the block-table
+    row length vLLM 0.34+ caps attention tables at (:func:`row_cap`; it never binds when
+    it is taken at the same DCP size).
     """
     return capped(spec, _reserved_blocks(
         spec, num_tokens, num_lookahead_tokens=num_lookahead_tokens,
         max_model_len=max_model_len, num_encoder_tokens=num_encoder_tokens, dcp=dcp,
-        num_computed_tokens=num_computed_tokens), max_blocks_per_req)
+        num_computed_tokens=num_computed_tokens, num_settled_tokens=num_settled_tokens,
+        checkpointing=checkpointing), max_blocks_per_req)
 
 
 def _reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int, max_model_len: int,
-                     num_encoder_tokens: int, dcp: int,
-                     num_computed_tokens: int) -> Reserved | None:
+                     num_encoder_tokens: int, dcp: int, num_computed_tokens: int,
+                     num_settled_tokens: int | None = None,
+                     checkpointing: Checkpointing | None = None) -> Reserved | None:
     names = _spec_classes()
     if "UniformTypeKVCacheSpecs" in names and _is(spec, "UniformTypeKVCacheSpecs"):
         spec = spec.first_spec
@@ -108,17 +134,14 @@ def _reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int, max_mo
     if _is(spec, "CrossAttentionSpec"):
         n = _cdiv(num_encoder_tokens, bsz)
         return Reserved(n, n)
-    computed = max(0, num_computed_tokens)
+    start = max(0, num_computed_tokens)
+    computed = start if num_settled_tokens is None else max(0, min(num_settled_tokens, start))
     if _is(spec, "MambaSpec"):
         nsb = getattr(spec, "num_speculative_blocks", 0)
         if spec.mamba_cache_mode == "align":
-            # Lookahead-free, uncapped range; interior entries are null, the running
-            # state plus nsb speculative blocks are real, and a step that enters a new
-            # block keeps the previous state block until the next step frees it.
             table = _cdiv(num_tokens, bsz) + nsb
-            crossed = computed > 0 and _cdiv(num_tokens, bsz) > _cdiv(computed, bsz)
-            physical = 1 + nsb + int(crossed)
-            return Reserved(table, min(table, physical))
+            held = _align_states(spec, bsz, num_tokens, start, computed, checkpointing)
+            return Reserved(table, min(table, nsb + held))
         need = min(num_tokens + num_lookahead_tokens, max_model_len) + spec.block_size * nsb
         table = _cdiv(need, bsz)
         skipped = (computed - 1) // bsz if computed > 0 else 0
@@ -134,6 +157,75 @@ def _reserved_blocks(spec, num_tokens: int, *, num_lookahead_tokens: int, max_mo
     # (full-attention subclass evicting a middle gap) is an upper bound here.
     skipped = min(skipped_tokens // bsz, table)
     return Reserved(table, table - skipped)
+
+
+def _align_states(spec, bsz: int, end: int, start: int, settled: int,
+                  checkpointing: Checkpointing | None) -> int:
+    """State blocks a Mamba align request holds after the step ``[start, end)`` with
+    ``settled`` tokens settled. Each step keeps its running state in the block of its
+    last token and, on a prefill checkpoint, one in the block before it; vLLM frees
+    every block below the block of the last settled token (``remove_skipped_blocks``:
+    ``processed - 1`` tokens skipped, then ``last_state_block_idx``). So what is held:
+    this step's blocks, the state the step starts from, and, while the previous step
+    ``[settled, start)`` is in flight, that step's checkpoint and the state it started
+    from."""
+    def state(n: int) -> int:
+        return _cdiv(n, bsz) - 1
+
+    held = {state(end)}
+    if _checkpoint(spec, bsz, start, end, checkpointing):
+        held.add(state(end) - 1)
+    if start > 0:
+        held.add(state(start))
+    if settled < start:
+        if settled > 0:
+            held.add(state(settled))
+        if _checkpoint(spec, bsz, settled, start, checkpointing):
+            held.add(state(start) - 1)
+    floor = state(settled) if settled > 0 else 0
+    return sum(1 for i in held if i >= floor)
+
+
+def _checkpoint(spec, bsz: int, start: int, end: int,
+                checkpointing: Checkpointing | None) -> bool:
+    """Whether the Mamba align step ``[start, end)`` reserves a prefill checkpoint block:
+    vLLM's own ``get_mamba_prefill_checkpoint_position`` and
+    ``is_mamba_prefill_checkpoint_valid`` (0.32+), as ``_needs_internal_checkpoint``
+    calls them (0.34 single_type_kv_cache_manager.py 1664-1695, 1756-1768)."""
+    if not getattr(spec, "num_prefill_checkpoint_blocks", 0) or end <= start:
+        return False
+    fns = _checkpoint_functions()
+    if fns is None:
+        return False
+    position, valid, lookahead_kw = fns
+    c = checkpointing or Checkpointing(spec.block_size, spec.block_size)
+    if (c.sparse and end < c.prefill_end) or _cdiv(end, bsz) - 2 < 0:
+        return False
+    extra = {"num_hash_lookahead_tokens": c.hash_lookahead} if lookahead_kw else {}
+    pos = position(end, c.alignment_tokens, c.drop_eagle, **extra)
+    return bool(valid(query_start=start, query_end=end, checkpoint_position=pos,
+                      hash_block_size=c.hash_block_size, mamba_block_size=bsz,
+                      checkpoint_alignment=getattr(spec, "prefill_checkpoint_alignment",
+                                                   None)))
+
+
+_CHECKPOINT_FNS: list = []
+
+
+def _checkpoint_functions():
+    """vLLM's two checkpoint functions and whether the first takes the hash lookahead
+    (0.33+), or None where this vLLM has no prefill checkpoints (0.27.1)."""
+    if not _CHECKPOINT_FNS:
+        import inspect
+
+        from vllm.v1 import kv_cache_interface as kci
+
+        position = getattr(kci, "get_mamba_prefill_checkpoint_position", None)
+        valid = getattr(kci, "is_mamba_prefill_checkpoint_valid", None)
+        _CHECKPOINT_FNS.append(None if position is None or valid is None else (
+            position, valid,
+            "num_hash_lookahead_tokens" in inspect.signature(position).parameters))
+    return _CHECKPOINT_FNS[0]
 
 
 def _uncapped(spec) -> bool:
@@ -164,6 +256,7 @@ def row_cap(spec, vllm_config, max_model_len: int) -> int | None:
 
 def reserved(spec, num_tokens: int, *, num_lookahead_tokens: int = 0, max_model_len: int,
              num_encoder_tokens: int = 0, dcp: int = 1, num_computed_tokens: int = 0,
+             num_settled_tokens: int | None = None, checkpointing: Checkpointing | None = None,
              max_blocks_per_req: int | None = None) -> Reserved | None:
     """What callers use: the ``kvguard_reserved_blocks`` hook (a third-party impl may answer
     for a custom spec first), or :func:`reserved_blocks` when no impl answers; capped at
@@ -172,7 +265,8 @@ def reserved(spec, num_tokens: int, *, num_lookahead_tokens: int = 0, max_model_
 
     kwargs = dict(num_lookahead_tokens=num_lookahead_tokens, max_model_len=max_model_len,
                   num_encoder_tokens=num_encoder_tokens, dcp=dcp,
-                  num_computed_tokens=num_computed_tokens)
+                  num_computed_tokens=num_computed_tokens,
+                  num_settled_tokens=num_settled_tokens, checkpointing=checkpointing)
     result = hook().kvguard_reserved_blocks(spec=spec, num_tokens=num_tokens, **kwargs)
     if result is None:
         result = reserved_blocks(spec, num_tokens, **kwargs)
@@ -245,7 +339,9 @@ def lookahead_tokens(vllm_config) -> int:
 
 @hookimpl(trylast=True)
 def kvguard_reserved_blocks(spec, num_tokens, num_lookahead_tokens, max_model_len,
-                            num_encoder_tokens, dcp, num_computed_tokens):
+                            num_encoder_tokens, dcp, num_computed_tokens, num_settled_tokens,
+                            checkpointing):
     return reserved_blocks(spec, num_tokens, num_lookahead_tokens=num_lookahead_tokens,
                            max_model_len=max_model_len, num_encoder_tokens=num_encoder_tokens,
-                           dcp=dcp, num_computed_tokens=num_computed_tokens)
+                           dcp=dcp, num_computed_tokens=num_computed_tokens,
+                           num_settled_tokens=num_settled_tokens, checkpointing=checkpointing)

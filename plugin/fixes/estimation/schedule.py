@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from vllm_kvguard.fixes.estimation.estimate import Checkpointing
+
 SENTINEL = "\x00kvguard-certificate"    # a request id no client can send
 
 
@@ -62,7 +64,7 @@ def gate_counter(scheduler):
     manager = scheduler.kv_cache_manager
     coordinator = manager.coordinator
     managers = tuple(coordinator.single_type_managers)
-    interval = getattr(coordinator, "retention_interval", 0)
+    sparse = getattr(coordinator, "retention_interval", None) == 0
     cross = {i for i, m in enumerate(managers) if type(m).__name__ == "CrossAttentionManager"}
     # each manager's parameter names, read once (the signature differs across releases)
     params = [set(inspect.signature(m.get_num_blocks_to_allocate).parameters)
@@ -72,7 +74,7 @@ def gate_counter(scheduler):
         args = dict(request_id=SENTINEL, num_tokens=n, new_computed_blocks=[],
                     total_computed_tokens=0, num_local_computed_tokens=0,
                     num_tokens_main_model=n, apply_admission_cap=True,
-                    prefill_end=0 if interval else prefill_end)
+                    prefill_end=prefill_end if sparse else 0)
         out = []
         try:
             for i, m in enumerate(managers):
@@ -87,6 +89,46 @@ def gate_counter(scheduler):
         return out
 
     return count
+
+
+def checkpointing(kv_cache_manager) -> dict:
+    """{group index: :class:`.estimate.Checkpointing`} for the Mamba align groups of a
+    ``KVCacheManager`` whose specs take prefill checkpoint blocks (0.32+), read from its
+    own managers and block pool (under sparse retention the caller sets the request's
+    prefill end)."""
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    sparse = getattr(coordinator, "retention_interval", None) == 0
+    out = {}
+    for i, m in enumerate(getattr(coordinator, "single_type_managers", ())):
+        spec = m.kv_cache_spec
+        if getattr(spec, "mamba_cache_mode", None) != "align" or \
+                not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            continue
+        pool = m.block_pool
+        out[i] = Checkpointing(
+            hash_block_size=int(pool.hash_block_size),
+            alignment_tokens=int(getattr(m, "cache_hit_alignment_tokens", spec.block_size)),
+            hash_lookahead=int(getattr(pool, "num_hash_lookahead_tokens", 0) or 0),
+            drop_eagle=bool(getattr(m, "drop_eagle_checkpoint_block", False)), sparse=sparse)
+    return out
+
+
+def checkpointing_of_configs(vllm_config, kv_cache_config) -> dict:
+    """:func:`checkpointing` where no scheduler is built: the block sizes EngineCore gives
+    its scheduler (:func:`block_sizes`: hash block, and the scheduler's as the alignment),
+    the KV config's retention interval; no hash lookahead, no EAGLE block drop."""
+    out = {}
+    sizes = None
+    sparse = getattr(kv_cache_config, "prefix_cache_retention_interval", None) == 0
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if getattr(spec, "mamba_cache_mode", None) != "align" or \
+                not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            continue
+        sizes = sizes or block_sizes(vllm_config, kv_cache_config)
+        out[i] = Checkpointing(hash_block_size=sizes[1], alignment_tokens=sizes[0],
+                               sparse=sparse)
+    return out
 
 
 def _threshold_when_alone() -> bool:
