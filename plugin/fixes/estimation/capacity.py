@@ -124,10 +124,10 @@ def peak_blocks(spec, *, max_model_len: int, step: int, chunk: int, lookahead: i
     fn = estimate or _estimator()
     best = 0
     for n, c, settled in points:
-        ckpt = None if checkpointing is None else checkpointing._replace(prefill_end=n)
         r = fn(spec, n, num_lookahead_tokens=lookahead, max_model_len=mml,
                num_encoder_tokens=encoder_len, dcp=dcp, num_computed_tokens=c,
-               num_settled_tokens=settled, checkpointing=ckpt)
+               num_settled_tokens=settled,
+               checkpointing=checkpointing and checkpointing.at(n))
         if r is None:
             raise LookupError(type(spec).__name__)
         best = max(best, r.physical)
@@ -262,9 +262,10 @@ def in_flight_tokens(vllm_config) -> int:
     return int(value)
 
 
-def model_certificate(vllm_config, kv_cache_config):
+def model_certificate(vllm_config, kv_cache_config, checkpoints: dict | None = None):
     """A :class:`~.certificate.Certificate` from the configs alone, for where no scheduler is
-    at hand: no vLLM gate, so admission is the reserved-block model's largest prefill chunk."""
+    at hand: no vLLM gate, so admission is the reserved-block model's largest prefill chunk.
+    ``checkpoints``: the Mamba prefill-checkpoint numbers (default: from the configs)."""
     from vllm_kvguard.fixes.estimation.certificate import Certificate
     from vllm_kvguard.fixes.estimation.schedule import Schedule
 
@@ -277,7 +278,8 @@ def model_certificate(vllm_config, kv_cache_config):
                        max_model_len=int(vllm_config.model_config.max_model_len),
                        schedule=schedule, lookahead=lookahead_tokens(vllm_config),
                        draft_tokens=num_spec(vllm_config), dcp=dcp_size(vllm_config),
-                       checkpoints=_checkpoints(vllm_config, kv_cache_config))
+                       checkpoints=(_checkpoints(vllm_config, kv_cache_config)
+                                    if checkpoints is None else checkpoints))
 
 
 def _checkpoints(vllm_config, kv_cache_config, cert=None) -> dict:
@@ -337,16 +339,16 @@ def compute(vllm_config, kv_cache_config, cert=None) -> Capacity:
     specs = device_groups(kv_cache_config)
     inflight = in_flight_tokens(vllm_config) if getattr(
         sched, "enable_chunked_prefill", True) else mml
-    checkpoints = tuple(sorted(_checkpoints(vllm_config, kv_cache_config, cert).items()))
+    checkpoints = _checkpoints(vllm_config, kv_cache_config, cert)
     cap.groups = _groups(specs, mml=mml, k=k, la=la, dcp=dcp, chunk=chunk, enc=enc,
                          inflight=inflight, lagged=in_flight(vllm_config) > 0,
-                         checkpoints=checkpoints)
+                         checkpoints=tuple(sorted(checkpoints.items())))
     cap.per_request_plain = sum(g.plain for g in cap.groups)
     cap.per_request_spec = sum(g.spec for g in cap.groups)
     cap.decode_blocks = sum(g.decode for g in cap.groups)
     try:
-        _concurrency(cap, cert if cert is not None else model_certificate(vllm_config,
-                                                                          kv_cache_config))
+        _concurrency(cap, cert if cert is not None else model_certificate(
+            vllm_config, kv_cache_config, checkpoints))
     except Exception as exc:       # noqa: BLE001 - no certificate: the peak-based figure
         cap.admit_blocks = cap.hold_blocks = cap.per_request_spec
         cap.admit_by = cap.basis = f"peak blocks/request (no certificate: {type(exc).__name__})"

@@ -84,12 +84,10 @@ class Certificate:
         out = []
         for i, spec in self.groups:
             ckpt = self.checkpoints.get(i)
-            if ckpt is not None and ckpt.sparse:
-                ckpt = ckpt._replace(prefill_end=prefill_end)
             r = reserved_blocks(spec, tokens, num_lookahead_tokens=self.lookahead,
                                 max_model_len=self.max_model_len, dcp=self.dcp,
                                 num_computed_tokens=start, num_settled_tokens=settled,
-                                checkpointing=ckpt)
+                                checkpointing=ckpt and ckpt.at(prefill_end))
             out.append((i, 0 if r is None else r.physical))
         return out
 

@@ -37,6 +37,11 @@ class Checkpointing(NamedTuple):
     sparse: bool = False
     prefill_end: int = 0
 
+    def at(self, prefill_end: int) -> "Checkpointing":
+        """These numbers for a request whose prefill ends at ``prefill_end`` (only sparse
+        retention reads it)."""
+        return self._replace(prefill_end=prefill_end) if self.sparse else self
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -209,23 +214,24 @@ def _checkpoint(spec, bsz: int, start: int, end: int,
                                                    None)))
 
 
-_CHECKPOINT_FNS: list = []
+_CHECKPOINT_FNS: tuple | None = None
 
 
 def _checkpoint_functions():
     """vLLM's two checkpoint functions and whether the first takes the hash lookahead
     (0.33+), or None where this vLLM has no prefill checkpoints (0.27.1)."""
-    if not _CHECKPOINT_FNS:
+    global _CHECKPOINT_FNS
+    if _CHECKPOINT_FNS is None:
         import inspect
 
         from vllm.v1 import kv_cache_interface as kci
 
         position = getattr(kci, "get_mamba_prefill_checkpoint_position", None)
         valid = getattr(kci, "is_mamba_prefill_checkpoint_valid", None)
-        _CHECKPOINT_FNS.append(None if position is None or valid is None else (
+        _CHECKPOINT_FNS = () if position is None or valid is None else (
             position, valid,
-            "num_hash_lookahead_tokens" in inspect.signature(position).parameters))
-    return _CHECKPOINT_FNS[0]
+            "num_hash_lookahead_tokens" in inspect.signature(position).parameters)
+    return _CHECKPOINT_FNS or None
 
 
 def _uncapped(spec) -> bool:

@@ -91,6 +91,12 @@ def gate_counter(scheduler):
     return count
 
 
+def _checkpointed(spec) -> bool:
+    """A Mamba align spec that takes prefill checkpoint blocks (0.32+)."""
+    return getattr(spec, "mamba_cache_mode", None) == "align" and \
+        bool(getattr(spec, "num_prefill_checkpoint_blocks", 0))
+
+
 def checkpointing(kv_cache_manager) -> dict:
     """{group index: :class:`.estimate.Checkpointing`} for the Mamba align groups of a
     ``KVCacheManager`` whose specs take prefill checkpoint blocks (0.32+), read from its
@@ -101,8 +107,7 @@ def checkpointing(kv_cache_manager) -> dict:
     out = {}
     for i, m in enumerate(getattr(coordinator, "single_type_managers", ())):
         spec = m.kv_cache_spec
-        if getattr(spec, "mamba_cache_mode", None) != "align" or \
-                not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+        if not _checkpointed(spec):
             continue
         pool = m.block_pool
         out[i] = Checkpointing(
@@ -122,8 +127,7 @@ def checkpointing_of_configs(vllm_config, kv_cache_config) -> dict:
     sparse = getattr(kv_cache_config, "prefix_cache_retention_interval", None) == 0
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if getattr(spec, "mamba_cache_mode", None) != "align" or \
-                not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+        if not _checkpointed(spec):
             continue
         sizes = sizes or block_sizes(vllm_config, kv_cache_config)
         out[i] = Checkpointing(hash_block_size=sizes[1], alignment_tokens=sizes[0],
