@@ -285,3 +285,30 @@ def test_certificate_equals_the_scheduler_sweep():
     wrong = compare(rows)
     print("\n" + table(rows, "sweep: certificate vs scheduler"))
     assert not wrong, "\n".join(wrong)
+
+
+def test_prompt_limit_is_below_every_hole():
+    """The limits' hole scan (last chunks only, walked from a longer prompt's chunk
+    starts, non-last chunks cached) equals asking ``admits`` of every prompt, on every
+    core layout; and the layout the sweep found has its hole (225-232) refused."""
+    from vllm_kvguard.fixes.estimation import certificate
+
+    activation.deactivate()
+    seen_hole = False
+    for layout in CORE:
+        try:
+            cert = certificate.from_scheduler(layout.scheduler())
+        except sl.Unsupported:
+            continue
+        first = next((n for n in range(1, cert.max_model_len) if not cert.admits(n)),
+                     cert.max_model_len)
+        assert cert.prompt_limit == min(first - 1, cert.max_model_len - 1), layout.name
+        seen_hole |= any(cert.admits(n) for n in range(first, cert.max_model_len))
+    from vllm_kvguard.fixes.estimation import estimate
+
+    if estimate._checkpoint_functions() is None:
+        return                  # before 0.32 (no Mamba2 checkpoint blocks): no core hole
+    assert seen_hole, "no core layout has a hole: the scan is not tested"
+    hole = L(("full", "mamba"), mamba_mode="align", prefix_caching=True, budget=24)
+    cert = certificate.from_scheduler(hole.scheduler())
+    assert cert.prompt_limit < 225 and not cert.admits(225) and cert.admits(233)
