@@ -242,8 +242,20 @@ class Certificate:
     def starts(self, n: int) -> bool:
         """Whether a lone prompt of ``n`` tokens is admitted, prefilled and decodes its
         first token, or completes anyway: with prefix caching a request preempted there
-        re-enters on the blocks it has just freed (a hit; measured on the scheduler)."""
-        return self.admits(n) and (self.schedule.caching or self.start(n)[0] <= self.usable)
+        re-enters on the blocks it has just freed (a hit; measured on the scheduler),
+        except where a Mamba ``align`` group keeps states only at checkpoints
+        (:meth:`_unrescued`)."""
+        return self.admits(n) and ((self.schedule.caching and not self._unrescued())
+                                   or self.start(n)[0] <= self.usable)
+
+    def _unrescued(self) -> bool:
+        """Prefix caching with a Mamba ``align`` group: a request preempted at its first
+        decode step re-enters on a hit that stops at the group's last checkpoint, and the
+        re-entry is preempted again, or hangs (``full+chunked64+mamba[align] nb=13 B=512
+        pc ngram:2 async``, vLLM 0.34.0: prompts 62-64 hang with totals of 65 and more,
+        81 = ``P + 1`` included)."""
+        return self.schedule.caching and any(
+            getattr(spec, "mamba_cache_mode", None) == "align" for _, spec in self.groups)
 
     def _parts(self, per) -> str:
         kinds = dict(self.groups)
@@ -254,8 +266,14 @@ class Certificate:
     @property
     def prompt_limit(self) -> int:
         """The longest prompt the scheduler ever admits and prefills (0: none); at most
-        ``max_model_len - 1``: a prompt must leave room for the token it samples."""
-        return min(self._largest("prompt", self.admits), self.max_model_len - 1)
+        ``max_model_len - 1``: a prompt must leave room for the token it samples. Where a
+        preempted re-entry is not rescued by its hit (:meth:`_unrescued`), no prompt over
+        the start limit is let through (its re-admissions are not the ones
+        :attr:`start_limit` counts on)."""
+        p = min(self._largest("prompt", self.admits), self.max_model_len - 1)
+        if self._unrescued() and self.schedule.in_flight:
+            p = min(p, self._largest("start", self.starts))
+        return p
 
     @property
     def start_limit(self) -> int:
@@ -351,7 +369,9 @@ class Certificate:
     def binding(self) -> tuple[str, str]:
         """What binds each limit, in words."""
         p, t = self.prompt_limit, self.total_limit
-        prompt = (self.admission(p + 1)[1] if p < self.max_model_len else "max_model_len")
+        prompt = ("max_model_len" if p >= self.max_model_len - 1 else self.admission(p + 1)[1]
+                  if self.admits(p + 1) is False or p >= self._largest("prompt", self.admits)
+                  else self.start(p + 1)[1])
         if t >= self.max_model_len:
             total = "max_model_len"
         else:
