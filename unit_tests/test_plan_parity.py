@@ -82,7 +82,7 @@ def _before(release: str) -> bool:
 
     from vllm_kvguard.versions import vllm_version
 
-    return Version(vllm_version()) < Version(release)
+    return Version(str(vllm_version())) < Version(release)
 
 
 def _vllm_kv_cache_config(vllm_config, specs: dict, kv_bytes: int):
