@@ -232,12 +232,17 @@ class Certificate:
                     pass
             if last is not None:
                 done = last[0]
-                per = self._hold(n + 1 + self.draft_tokens, n, done, n)
+                per = self._start_hold(n, done)
                 got = (sum(b for _, b in per),
                        f"first decode step after prefill chunk {done}-{n}: "
                        + self._parts(per))
             self._cache[key] = got
         return got
+
+    def _start_hold(self, n: int, done: int) -> list:
+        """Per group, held by the first decode step after a prefill of ``n`` tokens whose
+        last chunk starts at ``done`` and has not settled (:meth:`start`)."""
+        return self._hold(n + 1 + self.draft_tokens, n, done, n)
 
     def starts(self, n: int) -> bool:
         """Whether a lone prompt of ``n`` tokens is admitted, prefilled and decodes its
@@ -339,7 +344,7 @@ class Certificate:
         for n in range(max(1, top - SCAN_PROMPTS), top):
             need, done = self._tail(n, grid, budget)
             if name == "start" and need <= u and self.schedule.in_flight and done is not None:
-                need = sum(b for _, b in self._hold(n + 1 + self.draft_tokens, n, done, n))
+                need = sum(b for _, b in self._start_hold(n, done))
             if need > u and not ok(n):
                 return n - 1
         return top
@@ -369,9 +374,12 @@ class Certificate:
     def binding(self) -> tuple[str, str]:
         """What binds each limit, in words."""
         p, t = self.prompt_limit, self.total_limit
-        prompt = ("max_model_len" if p >= self.max_model_len - 1 else self.admission(p + 1)[1]
-                  if self.admits(p + 1) is False or p >= self._largest("prompt", self.admits)
-                  else self.start(p + 1)[1])
+        if p >= self.max_model_len - 1:
+            prompt = "max_model_len"
+        elif self.admits(p + 1) and p < self._largest("prompt", self.admits):
+            prompt = self.start(p + 1)[1]         # lowered to the start limit
+        else:
+            prompt = self.admission(p + 1)[1]
         if t >= self.max_model_len:
             total = "max_model_len"
         else:
